@@ -1,0 +1,111 @@
+"""The small public API. The reference trainer and the Megatron-LM patch are both thin
+callers of exactly these methods:
+
+    dp = Deadpool.start(config, device="cpu"|"cuda", backend="gloo"|"nccl")
+         # joins the job; a spare blocks here until it is promoted to a dead rank's id
+    dp.initialize_model_parallel(**kwargs)      # recorded, replayed on every rebuild
+    dp.attach(model=chunks, optimizer=opt, scheduler=sched, train_state=state)
+         # state: any object with .iteration and .consumed_train_samples (Megatron's args)
+         # a promoted spare returns from attach already restored to the committed iteration
+    loop:
+        try:
+            ... train step ...   (optimizer.step is wrapped: waits for the in-flight snapshot)
+            dp.after_step(state.iteration)
+        except Exception as exc:     # the one recovery boundary
+            dp.recover(exc)          # restores state.iteration etc.; re-raises if not a failure
+    dp.finish(model, optimizer)      # fingerprint + results
+
+With ``config.enabled`` False every call degrades to plain torch.distributed/megatron setup.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from typing import Optional
+
+from .config import DeadpoolConfig
+from .megatron import shard
+
+
+class Deadpool:
+    """Runtime handle of one worker process."""
+
+    def __init__(self, config: DeadpoolConfig, device: str, backend: str):
+        import torch
+
+        self.config = config
+        self.backend = backend
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if device == "cuda":
+            torch.cuda.set_device(self.local_rank)
+            self.device = torch.device("cuda", self.local_rank)
+        else:
+            self.device = torch.device("cpu")
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self._mp_kwargs: Optional[dict] = None
+        self._runtime = None  # the enabled runtime (membership, mirror, recovery)
+
+    # ------------------------------------------------------------------ setup
+    @classmethod
+    def start(cls, config: DeadpoolConfig, device: str = "cpu", backend: str = "gloo"
+              ) -> "Deadpool":
+        self = cls(config, device, backend)
+        if config.enabled:
+            from .runtime import Runtime
+
+            self._runtime = Runtime(self, config)
+            self._runtime.join()  # spare: blocks until promoted; sets rank/world_size
+        else:
+            self._init_process_group_plain()
+        return self
+
+    def _init_process_group_plain(self) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend=self.backend, rank=self.rank, world_size=self.world_size,
+                timeout=timedelta(seconds=self.config.collective_timeout_s))
+
+    def initialize_model_parallel(self, **kwargs) -> None:
+        from megatron.core import parallel_state as ps
+
+        self._mp_kwargs = dict(kwargs)
+        ps.initialize_model_parallel(**kwargs)
+
+    def attach(self, model, optimizer, scheduler=None, train_state=None) -> None:
+        shard.distributed_optimizers(optimizer)  # refuses a non-distributed optimizer early
+        if self._runtime is not None:
+            self._runtime.attach(model, optimizer, scheduler, train_state)
+
+    # ------------------------------------------------------------------ loop
+    def fault_point(self, iteration: int, phase: str) -> None:
+        if self._runtime is not None:
+            self._runtime.fault_point(iteration, phase)
+
+    def after_step(self, iteration: int) -> None:
+        if self._runtime is not None:
+            self._runtime.after_step(iteration)
+
+    def recover(self, exc: BaseException) -> None:
+        if self._runtime is None:
+            raise exc
+        self._runtime.recover(exc)
+
+    # ------------------------------------------------------------------ end
+    def finish(self, model, optimizer, results_dir: Optional[str] = None) -> str:
+        import torch.distributed as dist
+
+        digest = shard.rank_digest(model, optimizer)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, digest)
+        combined = shard.combine_digests(gathered)
+        extra = self._runtime.finish() if self._runtime is not None else {}
+        if results_dir:
+            with open(os.path.join(results_dir, f"rank{self.rank}.json"), "w") as f:
+                json.dump({"rank": self.rank, "digest": digest, "final_state_sha256": combined,
+                           **extra}, f)
+        return combined

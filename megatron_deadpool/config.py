@@ -1,0 +1,104 @@
+"""DeadPool configuration: one validated dataclass plus the argparse group that the
+reference trainer and the Megatron-LM patch share (``--deadpool*`` flags)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from .errors import ConfigError
+
+AUDIT_MODES = ("none", "walk", "full")
+
+
+@dataclass(frozen=True)
+class DeadpoolConfig:
+    """Validated up front; cross-field invariants are checked in ``__post_init__``."""
+
+    enabled: bool = False
+    replicas: int = 1
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 5.0
+    progress_timeout_s: float = 300.0
+    rendezvous_timeout_s: float = 120.0
+    collective_timeout_s: float = 600.0
+    events_path: Optional[str] = None
+    audit: str = "walk"
+
+    def __post_init__(self):
+        if self.replicas < 1:
+            raise ConfigError(f"--deadpool-replicas must be >= 1, got {self.replicas}")
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "progress_timeout_s",
+                     "rendezvous_timeout_s", "collective_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{_flag(name)} must be > 0, got {getattr(self, name)}")
+        if not self.heartbeat_interval_s * 2 <= self.heartbeat_timeout_s:
+            raise ConfigError(
+                "--deadpool-heartbeat-timeout must be at least twice --deadpool-heartbeat-interval "
+                f"({self.heartbeat_timeout_s} < 2 x {self.heartbeat_interval_s})")
+        if not self.heartbeat_timeout_s < self.progress_timeout_s:
+            raise ConfigError("--deadpool-heartbeat-timeout must be smaller than "
+                              "--deadpool-progress-timeout (soft < hard)")
+        if not self.heartbeat_timeout_s < self.rendezvous_timeout_s:
+            raise ConfigError("--deadpool-heartbeat-timeout must be smaller than "
+                              "--deadpool-rendezvous-timeout")
+        if not self.rendezvous_timeout_s <= self.collective_timeout_s:
+            raise ConfigError("--deadpool-rendezvous-timeout must not exceed "
+                              "--deadpool-collective-timeout")
+        if self.audit not in AUDIT_MODES:
+            raise ConfigError(f"--deadpool-audit must be one of {AUDIT_MODES}, got {self.audit!r}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "DeadpoolConfig":
+        return cls(
+            enabled=bool(getattr(args, "deadpool", False)),
+            replicas=args.deadpool_replicas,
+            heartbeat_interval_s=args.deadpool_heartbeat_interval,
+            heartbeat_timeout_s=args.deadpool_heartbeat_timeout,
+            progress_timeout_s=args.deadpool_progress_timeout,
+            rendezvous_timeout_s=args.deadpool_rendezvous_timeout,
+            collective_timeout_s=args.deadpool_collective_timeout,
+            events_path=args.deadpool_events,
+            audit=args.deadpool_audit,
+        )
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _flag(field_name: str) -> str:
+    return "--deadpool-" + field_name.replace("_s", "").replace("_", "-")
+
+
+def add_deadpool_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--deadpool*`` group. Used by the reference trainer and by the Megatron-LM
+    patch (through ``extra_args_provider``), so both accept exactly the same flags."""
+    d = DeadpoolConfig()
+    g = parser.add_argument_group("deadpool", "in-memory peer mirror and hot-swap recovery")
+    g.add_argument("--deadpool", action="store_true",
+                   help="mirror every rank's state to buddy ranks and hot-swap spares on failure")
+    g.add_argument("--deadpool-replicas", type=int, default=d.replicas,
+                   help="buddy copies of each rank's state, on other nodes (default %(default)s)")
+    g.add_argument("--deadpool-heartbeat-interval", type=float, default=d.heartbeat_interval_s,
+                   help="seconds between heartbeats (default %(default)s)")
+    g.add_argument("--deadpool-heartbeat-timeout", type=float, default=d.heartbeat_timeout_s,
+                   help="a process whose heartbeat is older is declared hung and fenced "
+                        "(default %(default)s)")
+    g.add_argument("--deadpool-progress-timeout", type=float, default=d.progress_timeout_s,
+                   help="a rank whose iteration does not advance for this long is fenced "
+                        "(default %(default)s)")
+    g.add_argument("--deadpool-rendezvous-timeout", type=float, default=d.rendezvous_timeout_s,
+                   help="how long recovery waits for a plan and for the new world "
+                        "(default %(default)s)")
+    g.add_argument("--deadpool-collective-timeout", type=float, default=d.collective_timeout_s,
+                   help="process-group timeout, a last resort behind heartbeats "
+                        "(default %(default)s)")
+    g.add_argument("--deadpool-events", default=None, metavar="FILE",
+                   help="append one JSON line per recovery phase to FILE")
+    g.add_argument("--deadpool-audit", choices=AUDIT_MODES, default=d.audit,
+                   help="after a rebuild, prove no old process group is reachable: 'walk' re-walks "
+                        "the attached objects (fast), 'full' also scans the whole heap "
+                        "(default %(default)s)")
+    return parser

@@ -1,0 +1,100 @@
+"""Communication-free access to a rank's distributed-optimizer shard and to the state that
+has no data-parallel replica, plus the state fingerprint used by tests, demo and checks."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable, Iterator, List, Sequence, Tuple
+
+import torch
+
+STATE_KEYS = ("param", "exp_avg", "exp_avg_sq", "step")
+
+
+def distributed_optimizers(optimizer) -> List:
+    """The DistributedOptimizer instances inside a (Chained)optimizer, in order."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    out = [o for o in opts if isinstance(o, DistributedOptimizer)]
+    if not out:
+        raise TypeError("megatron-deadpool needs --use-distributed-optimizer "
+                        f"(got {type(optimizer).__name__})")
+    return out
+
+
+def _model_params_in_shard_order(opt) -> Iterator[torch.nn.Parameter]:
+    for gbuf_range_maps in opt.gbuf_ranges:
+        for _dtype, per_bucket in gbuf_range_maps.items():
+            for gbuf_range_map in per_bucket:
+                for model_param in gbuf_range_map["param_map"]:
+                    yield model_param
+
+
+def shard_tensors(optimizer) -> List[Tuple[str, torch.Tensor]]:
+    """(name, tensor) for every fp32 main param, exp_avg, exp_avg_sq and step of this rank's
+    shard, in a canonical order. Empty optimizer state (before the first step) yields only the
+    main params."""
+    out = []
+    for oi, opt in enumerate(distributed_optimizers(optimizer)):
+        for pi, model_param in enumerate(_model_params_in_shard_order(opt)):
+            tensors = opt._get_main_param_and_optimizer_states(model_param)
+            for key in STATE_KEYS:
+                t = tensors.get(key)
+                if isinstance(t, torch.Tensor):
+                    out.append((f"opt{oi}.p{pi}.{key}", t))
+    return out
+
+
+def unreplicated_tensors(model_chunks: Sequence[torch.nn.Module], dp_size: int
+                         ) -> List[Tuple[str, torch.Tensor]]:
+    """Tensors no DP peer can give back: every param when DP == 1; params without grads and
+    module buffers always."""
+    out = []
+    for ci, chunk in enumerate(model_chunks):
+        for name, p in chunk.named_parameters():
+            if dp_size == 1 or not p.requires_grad:
+                out.append((f"chunk{ci}.{name}", p.data))
+        for name, b in chunk.named_buffers():
+            if b is not None:
+                out.append((f"chunk{ci}.buffer.{name}", b))
+    return out
+
+
+def copy_main_params_to_model(optimizer, model_chunks) -> None:
+    """After the main params were restored: rebuild the model params exactly as a step does
+    (copy main -> param buffer, then the DP all-gather of the param buffer)."""
+    for opt in distributed_optimizers(optimizer):
+        opt._copy_main_params_to_model_params()
+    for chunk in model_chunks:
+        chunk.start_param_sync(force_sync=True)
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().view(-1)
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+def rank_digest(model_chunks: Iterable[torch.nn.Module], optimizer) -> str:
+    """SHA-256 of this rank's model params and optimizer shard (main params, exp_avg,
+    exp_avg_sq, step), in a fixed order."""
+    h = hashlib.sha256()
+    for ci, chunk in enumerate(model_chunks):
+        for name, p in chunk.named_parameters():
+            h.update(f"chunk{ci}.{name}".encode())
+            h.update(_tensor_bytes(p.data))
+    for name, t in shard_tensors(optimizer):
+        h.update(name.encode())
+        h.update(_tensor_bytes(t))
+    return h.hexdigest()
+
+
+def combine_digests(digests_in_rank_order: Sequence[str]) -> str:
+    """The job's state fingerprint: SHA-256 over every rank's digest in global rank order."""
+    h = hashlib.sha256()
+    for r, d in enumerate(digests_in_rank_order):
+        h.update(f"{r}:{d};".encode())
+    return h.hexdigest()
