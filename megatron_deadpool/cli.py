@@ -1,0 +1,122 @@
+"""``deadpool`` command line: launch | demo | bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+from .errors import DeadpoolError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _split(argv: List[str]):
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="deadpool", description="hot-swap fault tolerance for Megatron training")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    lp = sub.add_parser("launch", help="start workers grouped into nodes "
+                        "(usage: deadpool launch [options] -- <trainer flags>)")
+    lp.add_argument("--nodes", type=int, required=True, help="active nodes")
+    lp.add_argument("--procs-per-node", type=int, required=True)
+    lp.add_argument("--spare-nodes", type=int, default=0, help="standby nodes (need --deadpool)")
+    lp.add_argument("--node-rank", type=int, default=None,
+                    help="run as the agent of this one node (multi-node, e.g. under srun); "
+                         "node 0 hosts the coordinator. Omit to simulate all nodes locally")
+    lp.add_argument("--master-addr", default="127.0.0.1")
+    lp.add_argument("--master-port", type=int, default=None,
+                    help="torch rendezvous port; the coordinator store uses port+1 "
+                         "(default: a free port locally, 29500 multi-node)")
+    lp.add_argument("--summary-json", default=None, metavar="FILE")
+    lp.add_argument("--script", default=None, metavar="PATH",
+                    help="entry point to run instead of the reference trainer "
+                         "(e.g. Megatron-LM's pretrain_gpt.py)")
+    lp.add_argument("--inject", action="append", default=[], metavar="SPEC",
+                    help="fault to inject, repeatable: kill:node=1@iter=12, "
+                         "kill:rank=5@iter=7,phase=optimizer, stop:rank=3@iter=9")
+    lp.add_argument("--results-dir", default=None, metavar="DIR",
+                    help="per-rank results and loss log (default: a temp dir)")
+
+    dp = sub.add_parser("demo", help="CPU hot-swap demo: kill a node, swap in a spare, "
+                        "compare with a failure-free replay")
+    dp.add_argument("--summary-json", default=None, metavar="FILE")
+    dp.add_argument("--train-iters", type=int, default=30)
+    dp.add_argument("--kill-iter", type=int, default=12)
+    dp.add_argument("--kill-node", type=int, default=1)
+    dp.add_argument("--no-replay", action="store_true",
+                    help="skip the failure-free replay (then bitwise_equal is not checked)")
+    dp.add_argument("--verbose", action="store_true", help="show every worker's output")
+
+    bp = sub.add_parser("bench", help="benchmarks")
+    bsub = bp.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    bo = bsub.add_parser("overhead", help="step time with the mirror off vs on, interleaved "
+                         "(usage: deadpool bench overhead [--json F] -- <trainer flags>)")
+    bo.add_argument("--json", default=None, metavar="FILE")
+    bo.add_argument("--rounds", type=int, default=3, help="off/on pairs, interleaved")
+    bo.add_argument("--nodes", type=int, default=4)
+    bo.add_argument("--procs-per-node", type=int, default=2)
+    br = bsub.add_parser("recovery", help="recovery time of the demo config, per phase")
+    br.add_argument("--json", default=None, metavar="FILE")
+    br.add_argument("--repeats", type=int, default=1)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, rest = _split(argv)
+    args = build_parser().parse_args(own)
+    try:
+        if args.cmd == "launch":
+            from .launch.launcher import LaunchOptions, run
+
+            opts = LaunchOptions(
+                nodes=args.nodes, procs_per_node=args.procs_per_node,
+                spare_nodes=args.spare_nodes, node_rank=args.node_rank,
+                master_addr=args.master_addr, master_port=args.master_port,
+                summary_json=args.summary_json, script=args.script, inject=args.inject,
+                results_dir=args.results_dir, trainer_argv=rest)
+            summary = run(opts)
+            if summary["ok"]:
+                print(f"[launch] completed {summary['completed_iters']} iterations; "
+                      f"final_state_sha256 {summary['final_state_sha256']}", flush=True)
+                return 0
+            print(f"[launch] error: {summary['error'] or 'the job did not complete'}",
+                  file=sys.stderr, flush=True)
+            return 1
+        if args.cmd == "demo":
+            from .demo import run_demo
+
+            return run_demo(args)
+        if args.cmd == "bench":
+            from . import bench
+
+            if args.bench == "overhead":
+                result = bench.overhead(rest, rounds=args.rounds, nodes=args.nodes,
+                                        procs_per_node=args.procs_per_node)
+            else:
+                result = bench.recovery(repeats=args.repeats)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(result, f, indent=2)
+            return 0
+    except DeadpoolError as exc:
+        print(f"deadpool: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

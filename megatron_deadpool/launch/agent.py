@@ -1,0 +1,136 @@
+"""Node agent: starts the node's worker processes (active or standby spare), forwards their
+output with prefixes, reports every child exit at once, heartbeats the node, and carries out
+the decider's commands (signals for fencing and fault injection).
+
+One agent per node: under Slurm one ``srun`` task per node; locally the launcher runs one
+agent object per simulated node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from ..membership import store as st
+
+
+@dataclass
+class WorkerSpec:
+    lid: int
+    node: int
+    role: str  # active | spare
+    rank: Optional[int]
+    local_rank: int
+
+
+def push_command(store, node: int, cmd: dict) -> None:
+    i = store.add(st.k("cmd", node, "n"), 1)
+    store.set(st.k("cmd", node, i), json.dumps(cmd))
+
+
+class NodeAgent:
+    def __init__(self, node: int, workers: List[WorkerSpec], argv: List[str], base_env: dict,
+                 store, prefix_map: Dict[int, str], out=sys.stdout, use_store: bool = True):
+        self.node, self.workers, self.argv = node, workers, argv
+        self.base_env, self.store, self.prefix_map = base_env, store, prefix_map
+        self.out = out
+        self.use_store = use_store
+        self.procs: Dict[int, subprocess.Popen] = {}
+        self.exit_codes: Dict[int, int] = {}
+        self._cmd_cursor = 0
+        self._hb = 0
+        self._last_hb = 0.0
+        self._out_lock = threading.Lock()
+        self._readers: List[threading.Thread] = []
+
+    def start(self) -> None:
+        for w in self.workers:
+            env = dict(self.base_env)
+            env.update({"DEADPOOL_LID": str(w.lid), "DEADPOOL_NODE": str(self.node),
+                        "DEADPOOL_ROLE": w.role, "LOCAL_RANK": str(w.local_rank)})
+            if w.rank is not None:
+                env["RANK"] = str(w.rank)
+            else:
+                env.pop("RANK", None)
+            p = subprocess.Popen(self.argv, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True)
+            self.procs[w.lid] = p
+            t = threading.Thread(target=self._forward, args=(w.lid, p), daemon=True)
+            t.start()
+            self._readers.append(t)
+
+    def _forward(self, lid: int, p: subprocess.Popen) -> None:
+        for raw in iter(p.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            with self._out_lock:
+                self.out.write(f"[{self.prefix_map.get(lid, f'lid{lid}')}] {line}\n")
+                self.out.flush()
+
+    def poll(self) -> List[tuple]:
+        """Report exits; run commands; heartbeat. Returns newly exited (lid, code)."""
+        exited = []
+        for lid, p in self.procs.items():
+            if lid in self.exit_codes:
+                continue
+            code = p.poll()
+            if code is not None:
+                self.exit_codes[lid] = code
+                exited.append((lid, code))
+                if self.use_store:
+                    st.push_event(self.store, "exit", lid=lid, code=code, node=self.node)
+        if self.use_store:
+            self._run_commands()
+            now = time.monotonic()
+            if now - self._last_hb > 0.25:
+                self._hb += 1
+                self.store.set(st.k("agent_hb", self.node), str(self._hb))
+                self._last_hb = now
+        return exited
+
+    def _run_commands(self) -> None:
+        n = self.store.add(st.k("cmd", self.node, "n"), 0)
+        while self._cmd_cursor < n:
+            self._cmd_cursor += 1
+            cmd = json.loads(self.store.get(st.k("cmd", self.node, self._cmd_cursor)).decode())
+            if cmd["op"] == "signal":
+                sig = getattr(signal, cmd["signal"])
+                for lid in cmd["lids"]:
+                    self.signal(lid, sig)
+
+    def signal(self, lid: int, sig: int) -> None:
+        p = self.procs.get(lid)
+        if p is not None and p.poll() is None:
+            try:
+                os.kill(p.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def alive(self) -> List[int]:
+        return [lid for lid, p in self.procs.items() if p.poll() is None]
+
+    def terminate_all(self, grace_s: float = 5.0) -> None:
+        for lid in self.alive():
+            self.signal(lid, signal.SIGCONT)
+            self.signal(lid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for lid in self.alive():
+            self.signal(lid, signal.SIGKILL)
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def join_output(self) -> None:
+        for t in self._readers:
+            t.join(timeout=2)

@@ -1,0 +1,235 @@
+"""The per-rank mirror: double-buffered local snapshots, buddy copies, commit tracking and
+the restore paths.
+
+Steady state, per iteration k (the only sync point is right before step k+1)::
+
+    main:   fwd/bwd(k) | wait(job k-1) | optimizer.step(k) | begin(k) | fwd/bwd(k+1) ...
+    mirror:                                                 copy k -> seal -> send to buddies
+                                                            -> verify received -> all_ok
+                                                            -> committed = k
+
+Slot parity is ``iteration % 2``: the copy of k-1 (committed) stays intact while k is in
+flight, and job k must commit before step k+1 may overwrite the state it reads.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import DeadpoolError, MirrorCorruptError
+from . import placement, snapshot
+from .transport import MirrorTransport
+
+TensorsFn = Callable[[], Sequence[Tuple[str, torch.Tensor]]]
+
+
+class MirrorError(DeadpoolError):
+    """The mirror job of an iteration failed (usually because a peer died)."""
+
+
+class Mirror:
+    def __init__(self, rank: int, replicas: int, meta_capacity: int = 1 << 20,
+                 use_cuda: bool = False):
+        self.rank = rank
+        self.replicas = replicas
+        self.meta_capacity = meta_capacity
+        self.use_cuda = use_cuda
+        self.pin = use_cuda and torch.cuda.is_available()
+        self.transport: Optional[MirrorTransport] = None
+        self.buddies: List[int] = []
+        self.holds: List[int] = []  # owners whose copies this rank holds
+        self._tensors_fn: Optional[TensorsFn] = None
+        self._tensors: Optional[List[torch.Tensor]] = None
+        self.layout: Optional[snapshot.Layout] = None
+        self.own: List[torch.Tensor] = []
+        self.own_iter = [-1, -1]
+        self.recv: Dict[int, List[torch.Tensor]] = {}
+        self.recv_iter: Dict[int, List[int]] = {}
+        self.committed = -1
+        self.waits = 0
+        self.wait_s = 0.0
+        self.jobs = 0
+        self.last_error: Optional[BaseException] = None
+        self._q: "queue.Queue" = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._stream = torch.cuda.Stream() if self.pin else None
+        self._thread = threading.Thread(target=self._loop, name="deadpool-mirror", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ wiring
+    def set_sources(self, tensors_fn: TensorsFn) -> None:
+        self._tensors_fn = tensors_fn
+
+    def set_topology(self, transport: MirrorTransport, rank_to_node: Sequence) -> None:
+        """(Re)connect to a generation: new transport and buddy placement. Receive buffers are
+        reallocated lazily at the next exchange."""
+        self.transport = transport
+        b = placement.buddies(rank_to_node, self.replicas)
+        self.buddies = b[self.rank]
+        self.holds = placement.holders_of(b)[self.rank]
+        self._sizes: Optional[List[int]] = None
+
+    def ensure_layout(self) -> snapshot.Layout:
+        if self.layout is None:
+            named = list(self._tensors_fn())
+            self._tensors = [t for _, t in named]
+            self.layout = snapshot.Layout(named, self.meta_capacity)
+            self.own = [snapshot.alloc_slot(self.layout.total_bytes, self.pin) for _ in range(2)]
+        return self.layout
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(b.numel() for b in self.own) + sum(
+            b.numel() for bufs in self.recv.values() for b in bufs)
+
+    # ------------------------------------------------------------------ steady state
+    def begin(self, iteration: int, meta: dict) -> None:
+        """Start snapshot ``iteration`` (called right after its optimizer step)."""
+        layout = self.ensure_layout()
+        idx = iteration % 2
+        self.own_iter[idx] = -1  # this slot is being rewritten
+        event = None
+        if self._stream is not None:
+            event = torch.cuda.Event()
+            step_done = torch.cuda.Event()
+            step_done.record()
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(step_done)
+                snapshot.copy_tensors_in(self.own[idx], layout, self._tensors, non_blocking=True)
+                event.record(self._stream)
+        self._idle.clear()
+        self._q.put(("snapshot", iteration, meta, event))
+
+    def wait(self) -> None:
+        """Block until the in-flight job is done (before the next step mutates the state).
+        Raises MirrorError if it failed."""
+        if not self._idle.is_set():
+            t0 = time.perf_counter()
+            self._idle.wait()
+            self.waits += 1
+            self.wait_s += time.perf_counter() - t0
+        if self.last_error is not None:
+            err, self.last_error = self.last_error, None
+            raise MirrorError(f"mirror job failed: {type(err).__name__}: {err}") from err
+
+    def quiesce(self, timeout_s: float) -> bool:
+        """Wait for the mirror thread to go idle (during recovery, after the abort)."""
+        ok = self._idle.wait(timeout_s)
+        self.last_error = None
+        return ok
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            try:
+                kind, iteration, meta, event = item
+                self._snapshot_job(iteration, meta, event)
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread by wait()
+                self.last_error = exc
+            finally:
+                self.jobs += 1
+                if self._q.empty():
+                    self._idle.set()
+
+    def _snapshot_job(self, iteration: int, meta: dict, event) -> None:
+        idx = iteration % 2
+        slot = self.own[idx]
+        if event is not None:
+            event.synchronize()
+        else:
+            snapshot.copy_tensors_in(slot, self.layout, self._tensors)
+        snapshot.seal(slot, self.layout, self.rank, iteration, meta)
+        self.own_iter[idx] = iteration
+        self._maybe_fault(iteration)
+        self._exchange_and_commit(iteration)
+
+    fault_hook: Optional[Callable[[int], None]] = None
+
+    def _maybe_fault(self, iteration: int) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(iteration)
+
+    def _alloc_recv(self) -> None:
+        if self._sizes is not None:
+            return
+        self._sizes = self.transport.all_gather_int(self.layout.total_bytes)
+        recv = {}
+        for o in self.holds:
+            old = self.recv.get(o)
+            if old is not None and old[0].numel() == self._sizes[o]:
+                recv[o] = old
+            else:
+                recv[o] = [snapshot.alloc_slot(self._sizes[o], self.pin) for _ in range(2)]
+        self.recv_iter = {o: (self.recv_iter.get(o, [-1, -1]) if recv[o] is self.recv.get(o)
+                              else [-1, -1]) for o in self.holds}
+        self.recv = recv
+
+    def _exchange_and_commit(self, iteration: int) -> None:
+        idx = iteration % 2
+        self._alloc_recv()
+        for o in self.holds:
+            self.recv_iter[o][idx] = -1
+        self.transport.exchange([(b, self.own[idx]) for b in self.buddies],
+                                [(o, self.recv[o][idx]) for o in self.holds])
+        ok = True
+        for o in self.holds:
+            try:
+                snapshot.verify(self.recv[o][idx], o, iteration)
+                self.recv_iter[o][idx] = iteration
+            except MirrorCorruptError:
+                ok = False
+        if self.transport.all_ok(ok):
+            self.committed = iteration
+
+    # ------------------------------------------------------------------ recovery
+    def has_local(self, iteration: int) -> bool:
+        return iteration >= 0 and self.own_iter[iteration % 2] == iteration
+
+    def holds_copy(self, owner: int, iteration: int) -> bool:
+        its = self.recv_iter.get(owner)
+        return its is not None and iteration >= 0 and its[iteration % 2] == iteration
+
+    def restore_local(self, iteration: int) -> dict:
+        """Verify the local copy of ``iteration`` and load it into the live tensors."""
+        slot = self.own[iteration % 2]
+        meta = snapshot.verify(slot, self.rank, iteration, self.layout)
+        snapshot.copy_tensors_out(slot, self.layout, self._tensors)
+        return meta
+
+    def transfer_for_restore(self, iteration: int, serve: Sequence[int], receive_from: Optional[int]
+                             ) -> None:
+        """Holders send their copy of ``iteration`` of each owner in ``serve``; a promoted spare
+        receives its own copy from ``receive_from`` into its local slot."""
+        idx = iteration % 2
+        sends = [(o, self.recv[o][idx]) for o in serve]
+        recvs = []
+        if receive_from is not None:
+            self.ensure_layout()
+            recvs = [(receive_from, self.own[idx])]
+        self.transport.exchange(sends, recvs)
+        if receive_from is not None:
+            self.own_iter[idx] = iteration
+
+    def reset_after_restore(self, iteration: int) -> None:
+        """Only the restored iteration stays valid; everything newer is dropped."""
+        idx = iteration % 2
+        self.own_iter = [iteration if i == idx else -1 for i in range(2)]
+        self.recv_iter = {o: [-1, -1] for o in self.recv}
+        self.committed = -1
+
+    def reprotect(self, iteration: int) -> None:
+        """Send the restored snapshot to the (possibly new) buddies and commit it."""
+        self._exchange_and_commit(iteration)
+        if self.committed != iteration:
+            raise MirrorError(f"re-protection of iteration {iteration} did not commit")
+
+    def close(self) -> None:
+        self._q.put(None)

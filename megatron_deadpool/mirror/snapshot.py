@@ -1,0 +1,150 @@
+"""Snapshot buffers: one flat, preallocated host buffer per slot holding a header, every
+tensor a rank needs to resume, and a small metadata blob (RNG, iteration, scheduler...).
+
+Slot format (little endian)::
+
+    +-------------------- header: 8 x int64 ---------------------+------------+-----------+
+    | magic | owner rank | iteration | tensor bytes | meta bytes |  tensors   | meta blob |
+    | crc32 | layout id  | tensor end|                           | (packed)   | (pickle)  |
+    +------------------------------------------------------------+------------+-----------+
+
+The checksum covers tensors and metadata; it is verified before anything is restored, and a
+copy with the wrong owner or iteration is refused the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import zlib
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+import torch
+
+from ..errors import MirrorCorruptError
+
+MAGIC = 0x44504F4F4C4D4952  # "DPOOLMIR"
+HEADER_WORDS = 8
+HEADER_BYTES = HEADER_WORDS * 8
+ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    offset: int
+    nbytes: int
+
+
+class Layout:
+    """Where each tensor lives inside a slot. Built once from the live tensors."""
+
+    def __init__(self, named: Sequence[Tuple[str, torch.Tensor]], meta_capacity: int):
+        self.entries: List[Entry] = []
+        off = HEADER_BYTES
+        for name, t in named:
+            nbytes = t.numel() * t.element_size()
+            self.entries.append(Entry(name, off, nbytes))
+            off = _align(off + nbytes)
+        self.tensor_end = off
+        self.meta_capacity = meta_capacity
+        self.total_bytes = _align(off + meta_capacity)
+        h = hashlib.sha256()
+        for e in self.entries:
+            h.update(f"{e.name}:{e.nbytes};".encode())
+        self.layout_id = int.from_bytes(h.digest()[:7], "little")
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+
+def alloc_slot(nbytes: int, pin: bool) -> torch.Tensor:
+    """A host buffer; pinned when CUDA is present (a CPU-only torch has no pinned allocator)."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    buf.zero_()  # touch the pages now, not during the first snapshot
+    return buf
+
+
+def _flat_u8(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def copy_tensors_in(slot: torch.Tensor, layout: Layout, tensors: Sequence[torch.Tensor],
+                    non_blocking: bool = False) -> None:
+    """Copy live tensors into the slot (on the current CUDA stream when they are on GPU)."""
+    if len(tensors) != len(layout.entries):
+        raise MirrorCorruptError(f"snapshot expects {len(layout.entries)} tensors, "
+                                 f"got {len(tensors)}")
+    for e, t in zip(layout.entries, tensors):
+        slot[e.offset:e.offset + e.nbytes].copy_(_flat_u8(t), non_blocking=non_blocking)
+
+
+def _header(slot: torch.Tensor) -> torch.Tensor:
+    return slot[:HEADER_BYTES].view(torch.int64)
+
+
+def _crc(slot: torch.Tensor, tensor_end: int, meta_len: int) -> int:
+    mv = memoryview(slot.numpy())
+    crc = zlib.crc32(mv[HEADER_BYTES:tensor_end])
+    return zlib.crc32(mv[tensor_end:tensor_end + meta_len], crc)
+
+
+def seal(slot: torch.Tensor, layout: Layout, owner: int, iteration: int, meta: dict) -> None:
+    """Write the metadata blob, checksum and header (host side, after the tensor copy)."""
+    blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(blob) > layout.meta_capacity:
+        raise MirrorCorruptError(f"snapshot metadata is {len(blob)} bytes, capacity "
+                                 f"{layout.meta_capacity}")
+    slot[layout.tensor_end:layout.tensor_end + len(blob)].copy_(
+        torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+    h = _header(slot)
+    h[:] = torch.tensor([MAGIC, owner, iteration, layout.tensor_bytes, len(blob),
+                         _crc(slot, layout.tensor_end, len(blob)), layout.layout_id,
+                         layout.tensor_end], dtype=torch.int64)
+
+
+def read_header(slot: torch.Tensor) -> dict:
+    h = _header(slot).tolist()
+    return {"magic": h[0], "owner": h[1], "iteration": h[2], "tensor_bytes": h[3],
+            "meta_len": h[4], "crc": h[5], "layout_id": h[6], "tensor_end": h[7]}
+
+
+def verify(slot: torch.Tensor, owner: int, iteration: int, layout: "Layout | None" = None
+           ) -> dict:
+    """Check magic, owner, iteration, checksum and (when given) the layout. Returns the
+    metadata. A holder verifies with the header alone; the owner also checks its layout."""
+    h = read_header(slot)
+    where = f"mirror copy of rank {owner} iteration {iteration}"
+    if h["magic"] != MAGIC:
+        raise MirrorCorruptError(f"{where}: bad magic (never written or overwritten)")
+    if h["owner"] != owner or h["iteration"] != iteration:
+        raise MirrorCorruptError(f"{where}: holds rank {h['owner']} iteration {h['iteration']}")
+    if layout is not None and (h["layout_id"] != layout.layout_id
+                               or h["tensor_bytes"] != layout.tensor_bytes
+                               or h["tensor_end"] != layout.tensor_end):
+        raise MirrorCorruptError(f"{where}: layout mismatch (the model or optimizer differs)")
+    if not (HEADER_BYTES <= h["tensor_end"] <= slot.numel()
+            and 0 <= h["meta_len"] <= slot.numel() - h["tensor_end"]):
+        raise MirrorCorruptError(f"{where}: corrupt header")
+    crc = _crc(slot, h["tensor_end"], h["meta_len"])
+    if crc != h["crc"]:
+        raise MirrorCorruptError(f"{where}: checksum mismatch (stored {h['crc']:#010x}, "
+                                 f"computed {crc:#010x}); refusing to load it")
+    blob = slot[h["tensor_end"]:h["tensor_end"] + h["meta_len"]].numpy().tobytes()
+    return pickle.loads(blob)
+
+
+def copy_tensors_out(slot: torch.Tensor, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
+    """Restore live tensors from a verified slot."""
+    for e, t in zip(layout.entries, tensors):
+        src = slot[e.offset:e.offset + e.nbytes]
+        dst = _flat_u8(t)
+        if dst.data_ptr() != t.data_ptr() or not t.is_contiguous():
+            raise MirrorCorruptError(f"cannot restore non-contiguous tensor {e.name}")
+        dst.copy_(src)

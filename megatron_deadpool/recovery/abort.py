@@ -1,0 +1,141 @@
+"""Abort every communicator of the current generation so that no thread stays blocked on a
+dead or hung peer.
+
+* NCCL (production): ``ProcessGroup.abort()`` on every group, **concurrently** (one hung
+  group can block a serial abort), with ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` set so the
+  failure surfaces as an exception instead of killing the process.
+* gloo: ``abort()`` does not free a thread blocked on a peer, and an old group keeps its
+  sockets open while referenced. We therefore shut down (``shutdown(SHUT_RDWR)``) the TCP
+  connections gloo opened, leaving only the coordinator store's connections alive. Every
+  pending gloo operation of this process then fails at once, and so do the peers' operations
+  that wait on this process: the abort cascades through the job within milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from typing import Iterable, List, Optional, Set
+
+TCP_LISTEN = "0A"
+
+
+def _tcp_table() -> dict:
+    """inode -> (local_port, remote_port, state) for this network namespace."""
+    out = {}
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    local, remote, state, inode = parts[1], parts[2], parts[3], parts[9]
+                    out[inode] = (int(local.rsplit(":", 1)[1], 16),
+                                  int(remote.rsplit(":", 1)[1], 16), state)
+        except OSError:
+            continue
+    return out
+
+
+def comm_socket_fds(keep_ports: Iterable[int]) -> List[int]:
+    """File descriptors of this process's established TCP connections whose local and remote
+    ports are not in ``keep_ports`` (the coordinator store's port)."""
+    keep: Set[int] = set(keep_ports)
+    table = _tcp_table()
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if not target.startswith("socket:["):
+            continue
+        info = table.get(target[8:-1])
+        if info is None:
+            continue
+        lport, rport, state = info
+        if state == TCP_LISTEN or lport in keep or rport in keep:
+            continue
+        fds.append(int(name))
+    return fds
+
+
+def shutdown_gloo_connections(store_port: int, extra_keep: Iterable[int] = ()) -> int:
+    """Shut down every gloo TCP connection of this process. Returns how many."""
+    n = 0
+    for fd in comm_socket_fds([store_port, *extra_keep]):
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+            n += 1
+        except OSError:
+            pass
+        finally:
+            s.close()
+    return n
+
+
+def abort_nccl_groups(groups: Iterable, timeout_s: float = 30.0) -> List[str]:
+    """Abort NCCL communicators concurrently. Returns errors (as strings) that abort raised."""
+    errors: List[str] = []
+    lock = threading.Lock()
+
+    def _abort(pg):
+        try:
+            if hasattr(pg, "abort"):
+                pg.abort()
+            else:  # older torch
+                from torch.distributed import distributed_c10d as c10d
+
+                c10d._abort_process_group(pg)
+        except Exception as exc:  # noqa: BLE001 - collected and reported, never swallowed
+            with lock:
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=_abort, args=(pg,), daemon=True) for pg in groups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    if any(t.is_alive() for t in threads):
+        errors.append(f"{sum(t.is_alive() for t in threads)} group abort(s) still running "
+                      f"after {timeout_s}s")
+    return errors
+
+
+def all_process_groups() -> list:
+    """Every group torch.distributed knows of in this process (default group included)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if not c10d.is_initialized():
+        return []
+    return list(c10d._world.pg_map.keys())
+
+
+def abort_communicators(backend: str, store_port: Optional[int]) -> dict:
+    """Abort all communicators of this process for the given backend."""
+    info = {"backend": backend}
+    if backend == "nccl":
+        info["errors"] = abort_nccl_groups(all_process_groups())
+    if store_port is not None:
+        # gloo groups exist under NCCL too (megatron's *_GLOO groups, the mirror group).
+        info["gloo_connections_shut"] = shutdown_gloo_connections(store_port)
+    return info
+
+
+def destroy_world() -> None:
+    """Forget this generation's groups: megatron's globals first, then torch's registry."""
+    import torch.distributed as dist
+
+    try:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+    except ImportError:
+        pass
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,73 @@
+"""One enum of recovery phases, a timer that yields a per-phase breakdown, and the
+JSON-lines event sink (``--deadpool-events``)."""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import threading
+import time
+from typing import Dict, Optional
+
+
+class Phase(str, enum.Enum):
+    DETECT = "detect"
+    ABORT = "abort"
+    RENDEZVOUS = "rendezvous"
+    REBUILD_GROUPS = "rebuild_groups"
+    RESTORE_STATE = "restore_state"
+    FIRST_STEP = "first_step"
+
+
+PHASE_ORDER = tuple(p.value for p in Phase)
+
+
+class EventSink:
+    """Appends one JSON object per line. Safe to share between threads; each line is written
+    with a single ``write`` on an O_APPEND file so several processes can share one file."""
+
+    def __init__(self, path: Optional[str]):
+        self.path = path
+        self._lock = threading.Lock()
+
+    def emit(self, event: str, **fields) -> None:
+        if not self.path:
+            return
+        rec = {"ts": round(time.time(), 6), "event": event, **fields}
+        line = (json.dumps(rec, sort_keys=True) + "\n").encode()
+        with self._lock:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+
+
+class PhaseTimer:
+    """Times consecutive phases of one recovery: ``timer.start(Phase.ABORT)`` closes the phase
+    before it. Each closed phase is emitted as an event."""
+
+    def __init__(self, sink: EventSink, generation: int, rank: int):
+        self.sink, self.generation, self.rank = sink, generation, rank
+        self.durations: Dict[str, float] = {}
+        self._cur: Optional[Phase] = None
+        self._t0 = 0.0
+
+    def start(self, phase: Phase) -> None:
+        self.stop()
+        self._cur, self._t0 = phase, time.perf_counter()
+
+    def stop(self) -> None:
+        if self._cur is None:
+            return
+        dt = time.perf_counter() - self._t0
+        self.durations[self._cur.value] = self.durations.get(self._cur.value, 0.0) + dt
+        self.sink.emit("phase", phase=self._cur.value, duration_s=round(dt, 6),
+                       generation=self.generation, rank=self.rank)
+        self._cur = None
+
+    def record(self, phase: Phase, duration_s: float) -> None:
+        self.durations[phase.value] = duration_s
+        self.sink.emit("phase", phase=phase.value, duration_s=round(duration_s, 6),
+                       generation=self.generation, rank=self.rank)

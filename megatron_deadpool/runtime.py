@@ -1,0 +1,382 @@
+"""The enabled DeadPool runtime of one worker process (used through ``api.Deadpool``).
+
+States: STANDBY -> ACTIVE -> (RECOVERING -> ACTIVE)* -> DONE | FAILED.
+
+A watcher thread heartbeats and watches the membership generation. When the decider
+publishes a new generation, the watcher aborts this process's communicators so the main
+thread, wherever it is blocked, reaches the one recovery boundary (``recover``).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .config import DeadpoolConfig
+from .errors import (DeadpoolError, NoCommittedStateError, NoSpareError, RebindAuditError,
+                     StaleGenerationError)
+from .launch import inject
+from .megatron import shard
+from .membership import store as st
+from .mirror import placement
+from .mirror.mirror import Mirror, MirrorError
+from .mirror.transport import GlooTransport
+from .recovery import abort as ab
+from .recovery.phases import EventSink, Phase, PhaseTimer
+from .recovery.rebind import GroupSlots, heap_audit
+
+RECOVERABLE = (RuntimeError, ConnectionError, OSError, MirrorError)
+
+
+def _env(name: str, default: Optional[str] = None) -> str:
+    v = os.environ.get(name, default)
+    if v is None:
+        raise DeadpoolError(f"--deadpool needs {name} in the environment: start the job with "
+                            "`deadpool launch`")
+    return v
+
+
+class Runtime:
+    def __init__(self, handle, config: DeadpoolConfig):
+        self.h = handle
+        self.config = config
+        self.lid = int(_env("DEADPOOL_LID"))
+        self.node = int(_env("DEADPOOL_NODE"))
+        self.role = _env("DEADPOOL_ROLE", "active")
+        self.token = _env("DEADPOOL_TOKEN")
+        self.host = _env("DEADPOOL_STORE_HOST")
+        self.port = int(_env("DEADPOOL_STORE_PORT"))
+        self.faults = inject.from_json(os.environ.get("DEADPOOL_INJECT", "[]"))
+        self.sink = EventSink(config.events_path)
+        self.store = st.connect(self.host, self.port, config.rendezvous_timeout_s)
+        self.state = "STANDBY"
+        self.gen = -1
+        self.plan: Optional[dict] = None
+        self.iteration = 0
+        self.mirror: Optional[Mirror] = None
+        self.slots: Optional[GroupSlots] = None
+        self.recoveries: List[dict] = []
+        self._live_gen: Optional[int] = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._shutdown_reason: Optional[str] = None
+        self._first_step: Optional[tuple] = None
+        self._joined_as_spare = False
+
+    # ================================================================ membership
+    def join(self) -> None:
+        st.request_admission(self.store, self.lid, self.token, self.config.rendezvous_timeout_s)
+        threading.Thread(target=self._watch, name="deadpool-watcher", daemon=True).start()
+        if self.role == "spare":
+            self._log(f"standby spare on node {self.node}: waiting for an assignment")
+            plan = self._wait_for_plan(min_gen=1, exc=None, spare=True)
+            self._joined_as_spare = True
+            self.sink.emit("promoted", lid=self.lid, rank=plan["rank_of"][str(self.lid)],
+                           generation=plan["gen"])
+            self._promote_t0 = time.perf_counter()
+        else:
+            plan = st.get_json(self.store, st.k("plan", 0))
+        self._adopt(plan)
+        self._init_process_group()
+
+    def _adopt(self, plan: dict) -> None:
+        rank = plan["rank_of"].get(str(self.lid))
+        if rank is None:
+            raise StaleGenerationError(
+                f"process {self.lid} is not a member of generation {plan['gen']} (it was "
+                "declared failed); exiting")
+        self.plan, self.gen = plan, plan["gen"]
+        self.h.rank, self.h.world_size = rank, plan["world_size"]
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(plan["world_size"])
+
+    def _init_process_group(self) -> None:
+        import torch.distributed as dist
+
+        prefix = dist.PrefixStore(f"gen{self.gen}/", self.store)
+        kwargs = {}
+        if self.h.backend == "nccl":
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        dist.init_process_group(backend=self.h.backend, store=prefix, rank=self.h.rank,
+                                world_size=self.h.world_size,
+                                timeout=timedelta(seconds=self.config.collective_timeout_s),
+                                **kwargs)
+        with self._lock:
+            self._live_gen = self.gen
+
+    def _watch(self) -> None:
+        """Heartbeat + generation watch. Aborts communicators when the generation moves on."""
+        client = st.connect(self.host, self.port, self.config.rendezvous_timeout_s)
+        seq, last_hb = 0, 0.0
+        while not self._stop.is_set():
+            try:
+                g = st.current_gen(client)
+                with self._lock:
+                    live = self._live_gen
+                if live is not None and g > live:
+                    self._abort_current(reason=f"generation {g} published")
+                now = time.monotonic()
+                if now - last_hb >= self.config.heartbeat_interval_s:
+                    seq += 1
+                    client.set(st.k("hb", self.lid), json.dumps({
+                        "seq": seq, "iteration": self.iteration, "state": self.state,
+                        "committed": self.mirror.committed if self.mirror else -1}))
+                    last_hb = now
+                if self._shutdown_reason is None and client.check([st.k("shutdown")]):
+                    self._shutdown_reason = client.get(st.k("shutdown")).decode()
+            except Exception:  # noqa: BLE001 - the store is gone: the job is over
+                if self._stop.is_set():
+                    return
+                time.sleep(0.5)
+            time.sleep(0.05)
+
+    def _abort_current(self, reason: str) -> None:
+        with self._lock:
+            if self._live_gen is None:
+                return
+            info = ab.abort_communicators(self.h.backend, self.port)
+            self.sink.emit("abort", generation=self._live_gen, rank=self.h.rank, reason=reason,
+                           **info)
+            self._live_gen = None
+
+    def _wait_for_plan(self, min_gen: int, exc: Optional[BaseException], spare: bool) -> dict:
+        deadline = time.monotonic() + (1e9 if spare else self.config.rendezvous_timeout_s)
+        while True:
+            if self._shutdown_reason is not None:
+                if spare:
+                    self._log(f"spare released: {self._shutdown_reason}")
+                    self._stop.set()
+                    raise SystemExit(0)
+                raise NoSpareError(self._shutdown_reason) if "no spare" in \
+                    self._shutdown_reason else DeadpoolError(self._shutdown_reason)
+            g = st.current_gen(self.store)
+            if g >= min_gen:
+                plan = st.get_json(self.store, st.k("plan", g))
+                if not spare or str(self.lid) in plan["rank_of"]:
+                    return plan
+                min_gen = g + 1
+            if time.monotonic() > deadline:
+                if exc is not None:
+                    raise exc
+                raise DeadpoolError("no membership plan arrived in time")
+            time.sleep(0.02)
+
+    # ================================================================ attach
+    def attach(self, model, optimizer, scheduler, train_state) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.train_state = train_state
+        self._wrap_optimizer_step(optimizer)
+        self.slots = GroupSlots([model, optimizer])
+        if self.slots.unknown:
+            self._log(f"warning: {len(self.slots.unknown)} group slot(s) of unknown role: "
+                      + ", ".join(self.slots.unknown[:5]))
+        dp_size = ps.get_data_parallel_world_size()
+        self.mirror = Mirror(self.h.rank, self.config.replicas,
+                             use_cuda=self.h.device.type == "cuda")
+        self.mirror.set_sources(lambda: shard.shard_tensors(optimizer)
+                                + shard.unreplicated_tensors(model, dp_size))
+        self.mirror.fault_hook = lambda it: self.fault_point(it, "mirror")
+        self._connect_mirror()
+        if self._joined_as_spare:
+            timer = PhaseTimer(self.sink, self.gen, self.h.rank)
+            timer.record(Phase.REBUILD_GROUPS, time.perf_counter() - self._promote_t0)
+            timer.start(Phase.RESTORE_STATE)
+            restored = self._restore(spare=True)
+            timer.stop()
+            self._begin_first_step(timer, restored, self.plan, iteration_at_failure=None)
+        self.state = "ACTIVE"
+
+    def _connect_mirror(self) -> None:
+        transport = GlooTransport(timeout_s=self.config.collective_timeout_s)
+        self.mirror.set_topology(transport, self.plan["node_of_rank"])
+
+    def _wrap_optimizer_step(self, optimizer) -> None:
+        orig = optimizer.step
+
+        def step(*args, **kwargs):
+            self.fault_point(self.train_state.iteration + 1, "optimizer")
+            self.mirror.wait()  # the snapshot of the previous step must be committed
+            return orig(*args, **kwargs)
+
+        optimizer.step = step
+
+    # ================================================================ loop hooks
+    def fault_point(self, iteration: int, phase: str) -> None:
+        for f in self.faults:
+            if (f.iteration == iteration and f.phase == phase
+                    and f.targets(self.h.rank, self.node)
+                    and not self.store.check([st.k("inject", f.index)])):
+                st.push_event(self.store, "fault_request", index=f.index, lid=self.lid,
+                              rank=self.h.rank, node=self.node, iteration=iteration, phase=phase)
+                self._log(f"fault {f.kind} requested at iteration {iteration} ({phase})")
+                time.sleep(60)  # the agent delivers the signal; we never get past this
+                raise DeadpoolError(f"fault {f.index} was requested but never delivered")
+
+    def after_step(self, iteration: int) -> None:
+        self.iteration = iteration
+        self.mirror.begin(iteration, self._meta(iteration))
+        if self._first_step is not None:
+            timer, t0, report = self._first_step
+            self._first_step = None
+            timer.record(Phase.FIRST_STEP, time.perf_counter() - t0)
+            report["phases_s"] = timer.durations
+            self.store.set(st.k("report", self.gen, self.h.rank), json.dumps(report))
+            self.recoveries.append(report)
+
+    def _meta(self, iteration: int) -> dict:
+        import numpy as np
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(),
+               "torch": torch.get_rng_state(),
+               "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}}
+        if self.h.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state()
+        meta: Dict[str, Any] = {
+            "iteration": iteration,
+            "consumed_train_samples": int(self.train_state.consumed_train_samples),
+            "rng": rng,
+        }
+        if self.scheduler is not None:
+            meta["scheduler_num_steps"] = int(self.scheduler.num_steps)
+        scaler = getattr(self.optimizer, "grad_scaler", None)
+        if scaler is not None and hasattr(scaler, "state_dict"):
+            meta["grad_scaler"] = scaler.state_dict()
+        return meta
+
+    def _apply_meta(self, meta: dict) -> None:
+        import numpy as np
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        self.train_state.iteration = meta["iteration"]
+        self.train_state.consumed_train_samples = meta["consumed_train_samples"]
+        if self.scheduler is not None and "scheduler_num_steps" in meta:
+            self.scheduler.num_steps = meta["scheduler_num_steps"]
+            self.scheduler.step(increment=0)
+        scaler = getattr(self.optimizer, "grad_scaler", None)
+        if scaler is not None and "grad_scaler" in meta:
+            scaler.load_state_dict(meta["grad_scaler"])
+        rng = meta["rng"]
+        get_cuda_rng_tracker().set_states(rng["tracker"])
+        if "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"])
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        self.iteration = meta["iteration"]
+
+    # ================================================================ recovery
+    def recover(self, exc: BaseException) -> None:
+        """The recovery boundary. Returns with every rank restored to the same committed
+        iteration on a rebuilt world; re-raises ``exc`` if it was not a job failure."""
+        if self.state != "ACTIVE" or not isinstance(exc, RECOVERABLE):
+            raise exc
+        iteration_at_failure = self.iteration
+        self.state = "RECOVERING"
+        self._log(f"failure seen at iteration {iteration_at_failure}: "
+                  f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+        timer = PhaseTimer(self.sink, self.gen + 1, self.h.rank)
+        timer.start(Phase.ABORT)
+        self._abort_current(reason=f"{type(exc).__name__} in the training step")
+        if not self.mirror.quiesce(self.config.rendezvous_timeout_s):
+            raise DeadpoolError("the mirror thread did not stop after the abort")
+        old_ids = {id(g) for g in ab.all_process_groups()}
+        ab.destroy_world()
+        timer.start(Phase.RENDEZVOUS)
+        plan = self._wait_for_plan(self.gen + 1, exc, spare=False)
+        self._adopt(plan)
+        self._init_process_group()
+        timer.start(Phase.REBUILD_GROUPS)
+        from megatron.core import parallel_state as ps
+
+        ps.initialize_model_parallel(**self.h._mp_kwargs)
+        self.slots.rebind()
+        self._audit(old_ids)
+        self._connect_mirror()
+        timer.start(Phase.RESTORE_STATE)
+        restored = self._restore(spare=False)
+        timer.stop()
+        self._begin_first_step(timer, restored, plan, iteration_at_failure)
+        self.state = "ACTIVE"
+
+    def _audit(self, old_ids) -> None:
+        if self.config.audit == "none":
+            return
+        self.slots.audit()
+        if self.config.audit == "full":
+            holders = heap_audit(old_ids, {id(g) for g in ab.all_process_groups()})
+            if holders:
+                raise RebindAuditError(f"old process groups still referenced by: {holders[:10]}")
+
+    def _restore(self, spare: bool) -> int:
+        """Agree on the iteration to restore, move lost shards from buddies, restore every
+        rank, rebuild model params, and re-protect. Returns the restored iteration."""
+        plan, m = self.plan, self.mirror
+        failed = [int(r) for r in plan["failed_ranks"]]
+        old = placement.buddies(plan["prev_node_of_rank"], self.config.replicas)
+        holder = {}
+        for o in failed:
+            alive = [b for b in old[o] if b not in failed]
+            if not alive:
+                raise NoCommittedStateError(
+                    f"rank {o} and every buddy holding its copy ({old[o]}) failed together")
+            holder[o] = alive[0]
+        serve = [o for o in failed if holder[o] == self.h.rank]
+        cmax = m.transport.all_max(-1 if spare else m.committed)
+        chosen = None
+        for c in (cmax, cmax - 1):
+            ok = c >= 1 and (spare or m.has_local(c)) and all(m.holds_copy(o, c) for o in serve)
+            if m.transport.all_ok(ok):
+                chosen = c
+                break
+        if chosen is None:
+            raise NoCommittedStateError(
+                f"no iteration is committed on every needed holder (latest committed: {cmax})")
+        if spare:
+            for opt in shard.distributed_optimizers(self.optimizer):
+                if not opt.optimizer.state:
+                    opt._init_optimizer_states_with_dummy_values()
+        m.transfer_for_restore(chosen, serve, holder[self.h.rank] if spare else None)
+        meta = m.restore_local(chosen)
+        shard.copy_main_params_to_model(self.optimizer, self.model)
+        self._apply_meta(meta)
+        m.reset_after_restore(chosen)
+        m.reprotect(chosen)
+        return chosen
+
+    def _begin_first_step(self, timer: PhaseTimer, restored: int, plan: dict,
+                          iteration_at_failure: Optional[int]) -> None:
+        report = {"generation": plan["gen"], "rank": self.h.rank, "lid": self.lid,
+                  "spare": self._joined_as_spare and iteration_at_failure is None,
+                  "restored_iter": restored, "iteration_at_failure": iteration_at_failure,
+                  "failed_ranks": plan["failed_ranks"]}
+        self._log(f"generation {plan['gen']}: restored iteration {restored}")
+        self.sink.emit("restored", generation=plan["gen"], rank=self.h.rank, iteration=restored)
+        self._first_step = (timer, time.perf_counter(), report)
+
+    # ================================================================ end
+    def finish(self) -> dict:
+        if self.mirror is not None:
+            self.mirror.wait()
+            info = {"mirror_waits": self.mirror.waits, "mirror_wait_s": self.mirror.wait_s,
+                    "host_bytes": self.mirror.host_bytes,
+                    "mirror_bytes": self.mirror.layout.total_bytes if self.mirror.layout else 0,
+                    "committed": self.mirror.committed}
+        else:
+            info = {}
+        self.state = "DONE"
+        st.push_event(self.store, "done", lid=self.lid, rank=self.h.rank)
+        self._stop.set()
+        return {"recoveries": self.recoveries, "generation": self.gen, **info}
+
+    def _log(self, msg: str) -> None:
+        print(f"[deadpool lid{self.lid}] {msg}", flush=True)
