@@ -75,6 +75,8 @@ class Deadpool:
 
         self._mp_kwargs = dict(kwargs)
         ps.initialize_model_parallel(**kwargs)
+        if self._runtime is not None:
+            self._runtime.after_model_parallel_init()
 
     def attach(self, model, optimizer, scheduler=None, train_state=None) -> None:
         shard.distributed_optimizers(optimizer)  # refuses a non-distributed optimizer early
@@ -104,6 +106,10 @@ class Deadpool:
         dist.all_gather_object(gathered, digest)
         combined = shard.combine_digests(gathered)
         extra = self._runtime.finish() if self._runtime is not None else {}
+        dist.barrier()
+        from .recovery.abort import destroy_world
+
+        destroy_world()
         if results_dir:
             with open(os.path.join(results_dir, f"rank{self.rank}.json"), "w") as f:
                 json.dump({"rank": self.rank, "digest": digest, "final_state_sha256": combined,

@@ -31,7 +31,8 @@ from .mirror.mirror import Mirror, MirrorError
 from .mirror.transport import GlooTransport
 from .recovery import abort as ab
 from .recovery.phases import EventSink, Phase, PhaseTimer
-from .recovery.rebind import GroupSlots, heap_audit
+from .recovery.quiet import CollectiveSuppressor
+from .recovery.rebind import GroupSlots, heap_audit, weak_groups
 
 RECOVERABLE = (RuntimeError, ConnectionError, OSError, MirrorError)
 
@@ -42,6 +43,20 @@ def _env(name: str, default: Optional[str] = None) -> str:
         raise DeadpoolError(f"--deadpool needs {name} in the environment: start the job with "
                             "`deadpool launch`")
     return v
+
+
+def _drop_traceback(exc: BaseException) -> None:
+    """The failed step's frames hold the old groups (schedules, p2p communicators): clear
+    them so the old generation can be freed."""
+    import traceback
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+            exc.__traceback__ = None
+        exc = exc.__context__ or exc.__cause__
 
 
 class Runtime:
@@ -131,6 +146,8 @@ class Runtime:
                     last_hb = now
                 if self._shutdown_reason is None and client.check([st.k("shutdown")]):
                     self._shutdown_reason = client.get(st.k("shutdown")).decode()
+                    if self.state not in ("DONE", "STANDBY"):
+                        self._abort_current(reason="job stopped: " + self._shutdown_reason)
             except Exception:  # noqa: BLE001 - the store is gone: the job is over
                 if self._stop.is_set():
                     return
@@ -154,8 +171,7 @@ class Runtime:
                     self._log(f"spare released: {self._shutdown_reason}")
                     self._stop.set()
                     raise SystemExit(0)
-                raise NoSpareError(self._shutdown_reason) if "no spare" in \
-                    self._shutdown_reason else DeadpoolError(self._shutdown_reason)
+                raise self._shutdown_error()
             g = st.current_gen(self.store)
             if g >= min_gen:
                 plan = st.get_json(self.store, st.k("plan", g))
@@ -169,8 +185,17 @@ class Runtime:
             time.sleep(0.02)
 
     # ================================================================ attach
+    def after_model_parallel_init(self) -> None:
+        """A promoted spare builds its model without talking to anyone (see quiet.py)."""
+        if self._joined_as_spare:
+            self._suppressor = CollectiveSuppressor()
+            self._suppressor.start()
+
     def attach(self, model, optimizer, scheduler, train_state) -> None:
         from megatron.core import parallel_state as ps
+
+        if self._joined_as_spare:
+            self._suppressor.stop()
 
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.train_state = train_state
@@ -277,19 +302,39 @@ class Runtime:
     # ================================================================ recovery
     def recover(self, exc: BaseException) -> None:
         """The recovery boundary. Returns with every rank restored to the same committed
-        iteration on a rebuilt world; re-raises ``exc`` if it was not a job failure."""
+        iteration on a rebuilt world; re-raises ``exc`` if it was not a job failure. A failure
+        during recovery starts the recovery over on the next generation."""
         if self.state != "ACTIVE" or not isinstance(exc, RECOVERABLE):
             raise exc
         iteration_at_failure = self.iteration
-        self.state = "RECOVERING"
         self._log(f"failure seen at iteration {iteration_at_failure}: "
                   f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+        while True:
+            try:
+                self._recover_once(exc, iteration_at_failure)
+                return
+            except RECOVERABLE as again:
+                if self._shutdown_reason is not None:
+                    raise self._shutdown_error() from None
+                if isinstance(again, DeadpoolError) and not isinstance(again, MirrorError):
+                    raise
+                self._log(f"failure during recovery ({type(again).__name__}); starting over")
+                exc = again
+
+    def _shutdown_error(self) -> DeadpoolError:
+        reason = self._shutdown_reason or "job stopped"
+        return NoSpareError(reason) if "no spare" in reason else DeadpoolError(reason)
+
+    def _recover_once(self, exc: BaseException, iteration_at_failure: int) -> None:
+        self.state = "RECOVERING"
         timer = PhaseTimer(self.sink, self.gen + 1, self.h.rank)
         timer.start(Phase.ABORT)
         self._abort_current(reason=f"{type(exc).__name__} in the training step")
         if not self.mirror.quiesce(self.config.rendezvous_timeout_s):
             raise DeadpoolError("the mirror thread did not stop after the abort")
-        old_ids = {id(g) for g in ab.all_process_groups()}
+        _drop_traceback(exc)
+        old_groups = weak_groups(ab.all_process_groups()) if self.config.audit == "full" else []
+        self.mirror.transport = None
         ab.destroy_world()
         timer.start(Phase.RENDEZVOUS)
         plan = self._wait_for_plan(self.gen + 1, exc, spare=False)
@@ -300,7 +345,7 @@ class Runtime:
 
         ps.initialize_model_parallel(**self.h._mp_kwargs)
         self.slots.rebind()
-        self._audit(old_ids)
+        self._audit(old_groups)
         self._connect_mirror()
         timer.start(Phase.RESTORE_STATE)
         restored = self._restore(spare=False)
@@ -308,14 +353,17 @@ class Runtime:
         self._begin_first_step(timer, restored, plan, iteration_at_failure)
         self.state = "ACTIVE"
 
-    def _audit(self, old_ids) -> None:
+    def _audit(self, old_groups) -> None:
         if self.config.audit == "none":
             return
         self.slots.audit()
         if self.config.audit == "full":
-            holders = heap_audit(old_ids, {id(g) for g in ab.all_process_groups()})
-            if holders:
-                raise RebindAuditError(f"old process groups still referenced by: {holders[:10]}")
+            leaks = heap_audit(old_groups)
+            if leaks:
+                raise RebindAuditError(f"{len(leaks)} old process group(s) still alive after "
+                                       f"the rebuild: {leaks[:5]}")
+            self.sink.emit("audit", generation=self.gen, rank=self.h.rank, mode="full",
+                           old_groups=len(old_groups), leaked=0)
 
     def _restore(self, spare: bool) -> int:
         """Agree on the iteration to restore, move lost shards from buddies, restore every
@@ -376,6 +424,8 @@ class Runtime:
         self.state = "DONE"
         st.push_event(self.store, "done", lid=self.lid, rank=self.h.rank)
         self._stop.set()
+        if self.mirror is not None:
+            self.mirror.close()
         return {"recoveries": self.recoveries, "generation": self.gen, **info}
 
     def _log(self, msg: str) -> None:

@@ -179,6 +179,7 @@ def run(opts: LaunchOptions, out=sys.stdout) -> dict:
                     seen_plans += 1
                 if decider.failed_reason and failed is None:
                     failed = decider.failed_reason
+                    break
             if not cfg.enabled or not hosts_store:
                 if cfg.enabled and store.check([st.k("shutdown")]) and not any(
                         a.alive() for a in agents):

@@ -33,7 +33,7 @@ class MirrorError(DeadpoolError):
 
 
 class Mirror:
-    def __init__(self, rank: int, replicas: int, meta_capacity: int = 1 << 20,
+    def __init__(self, rank: int, replicas: int, meta_capacity: int = 1 << 16,
                  use_cuda: bool = False):
         self.rank = rank
         self.replicas = replicas
@@ -76,6 +76,8 @@ class Mirror:
         self._sizes: Optional[List[int]] = None
 
     def ensure_layout(self) -> snapshot.Layout:
+        # The metadata capacity is fixed (not measured) so that a promoted spare computes
+        # the same slot size as the rank it replaces.
         if self.layout is None:
             named = list(self._tensors_fn())
             self._tensors = [t for _, t in named]
@@ -233,3 +235,5 @@ class Mirror:
 
     def close(self) -> None:
         self._q.put(None)
+        self._thread.join(timeout=10)
+        self.transport = None

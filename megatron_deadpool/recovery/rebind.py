@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -196,23 +197,28 @@ def _set_path(root, path: Tuple[Step, ...], value) -> None:
     raise RebindAuditError("a root object itself is a tuple holding a group: cannot rebind")
 
 
-def heap_audit(old_group_ids: Iterable[int], current_ids: Optional[Iterable[int]] = None
-               ) -> List[str]:
-    """Scan every gc-tracked object for references to groups whose id is in
-    ``old_group_ids``. Returns the types of the holders (empty list = clean). Slow (seconds);
-    for tests and ``--deadpool-audit full``."""
-    old = set(old_group_ids) - set(current_ids or ())
-    if not old:
-        return []
-    pg = _pg_type()
-    holders = []
+def weak_groups(groups: Iterable[Any]) -> List["weakref.ref"]:
+    """Weak references to the given groups (taken before a rebuild)."""
+    out, seen = [], set()
+    for g in groups:
+        if id(g) not in seen:
+            seen.add(id(g))
+            out.append(weakref.ref(g))
+    return out
+
+
+def heap_audit(old_groups: Sequence["weakref.ref"]) -> List[str]:
+    """After a rebuild: every old group must have been freed. For any survivor, name the
+    types of the objects that still hold it (a ``gc.get_referrers`` scan: slow, but it only
+    runs when something leaked). Returns an empty list when clean."""
     gc.collect()
-    for obj in gc.get_objects():
-        try:
-            refs = gc.get_referents(obj)
-        except Exception:  # noqa: BLE001
+    leaks = []
+    for ref in old_groups:
+        g = ref()
+        if g is None:
             continue
-        for r in refs:
-            if isinstance(r, pg) and id(r) in old:
-                holders.append(type(obj).__name__)
-    return holders
+        holders = [type(o).__name__ for o in gc.get_referrers(g)
+                   if not isinstance(o, (list,)) or o is not old_groups]
+        leaks.append("group held by " + (", ".join(sorted(set(holders))) or "?"))
+        del g
+    return leaks

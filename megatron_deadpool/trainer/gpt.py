@@ -129,7 +129,19 @@ def train_step(args, state, model, optimizer, scheduler, device, deadpool):
     return loss, grad_norm
 
 
+def _quiet_known_warnings() -> None:
+    """Megatron warns once per process about optional GPU packages; with 8+ processes that
+    buries the training log."""
+    import warnings
+
+    for pattern in ("Apex is not installed", "Transformer Engine and Apex are not installed",
+                    "full scope is deprecated", "The .grad attribute of a Tensor that is not"):
+        warnings.filterwarnings("ignore", message=pattern)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+
+
 def main(argv=None) -> int:
+    _quiet_known_warnings()
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(args, world_size)
