@@ -98,13 +98,15 @@ class Deadpool:
         self._runtime.recover(exc)
 
     # ------------------------------------------------------------------ end
-    def finish(self, model, optimizer, results_dir: Optional[str] = None) -> str:
+    def finish(self, model, optimizer, results_dir: Optional[str] = None,
+               extra: Optional[dict] = None) -> str:
         import torch.distributed as dist
 
         digest = shard.rank_digest(model, optimizer)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, digest)
         combined = shard.combine_digests(gathered)
+        extra_fields = extra
         extra = self._runtime.finish() if self._runtime is not None else {}
         dist.barrier()
         from .recovery.abort import destroy_world
@@ -113,5 +115,5 @@ class Deadpool:
         if results_dir:
             with open(os.path.join(results_dir, f"rank{self.rank}.json"), "w") as f:
                 json.dump({"rank": self.rank, "digest": digest, "final_state_sha256": combined,
-                           **extra}, f)
+                           **extra, **(extra_fields or {})}, f)
         return combined

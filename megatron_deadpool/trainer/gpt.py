@@ -176,6 +176,7 @@ def main(argv=None) -> int:
     loss_log = open(os.path.join(results_dir, "losses.jsonl"), "a") if (
         results_dir and is_logger) else None
     t_last = time.time()
+    step_s = []
     while state.iteration < args.train_iters:
         try:
             loss, grad_norm = train_step(args, state, model, optimizer, scheduler, device,
@@ -191,6 +192,7 @@ def main(argv=None) -> int:
             t_last = time.time()
             continue
         now = time.time()
+        step_s.append(now - t_last)
         if is_logger and state.iteration % args.log_interval == 0:
             lr = optimizer.param_groups[0]["lr"]
             _log(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {state.iteration:8d}/"
@@ -203,7 +205,8 @@ def main(argv=None) -> int:
             loss_log.flush()
         t_last = now
 
-    digest = deadpool.finish(model, optimizer, results_dir=results_dir)
+    digest = deadpool.finish(model, optimizer, results_dir=results_dir,
+                             extra={"step_s": step_s, "iteration": state.iteration})
     if deadpool.rank == 0:
         _log(f"final_state_sha256 {digest}")
     return 0

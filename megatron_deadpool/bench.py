@@ -1,0 +1,94 @@
+"""Benchmarks. Ratios are measured within one invocation; nothing here is asserted by a
+timed unit test.
+
+* ``overhead``: the same config with the mirror off and on, interleaved (off, on, off, on,
+  ...), median step time of each and the ratio.
+* ``recovery``: the demo's hot swap, per-phase recovery time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+from typing import List, Optional
+
+from .demo import DEMO_FLAGS
+from .launch.launcher import LaunchOptions, run
+from .recovery.phases import PHASE_ORDER
+
+WARMUP_ITERS = 3
+
+
+def _step_times(results_dir: str, world_size: int) -> List[float]:
+    """Per iteration, the slowest rank's step time (what the job waits for)."""
+    per_rank = []
+    for r in range(world_size):
+        with open(os.path.join(results_dir, f"rank{r}.json")) as f:
+            per_rank.append(json.load(f)["step_s"])
+    return [max(xs) for xs in zip(*per_rank)][WARMUP_ITERS:]
+
+
+def overhead(trainer_argv: Optional[List[str]], rounds: int = 3, nodes: int = 4,
+             procs_per_node: int = 2) -> dict:
+    argv = list(trainer_argv) if trainer_argv else DEMO_FLAGS + ["--train-iters", "30"]
+    argv = [a for a in argv if a != "--deadpool"]
+    work = tempfile.mkdtemp(prefix="deadpool-bench-")
+    samples = {"off": [], "on": []}
+    mirror = {}
+    for i in range(rounds):
+        for mode in ("off", "on"):
+            rd = os.path.join(work, f"{mode}{i}")
+            s = run(LaunchOptions(nodes=nodes, procs_per_node=procs_per_node, results_dir=rd,
+                                  trainer_argv=argv + (["--deadpool"] if mode == "on" else []),
+                                  quiet=True), out=open(os.path.join(work, "workers.log"), "a"))
+            if not s["ok"]:
+                raise RuntimeError(f"benchmark run {mode}{i} failed: {s['error']}")
+            times = _step_times(rd, nodes * procs_per_node)
+            samples[mode].extend(times)
+            print(f"round {i + 1}/{rounds} mirror {mode:>3}: median step "
+                  f"{statistics.median(times) * 1000:.1f} ms", flush=True)
+            if mode == "on":
+                mirror = s.get("mirror", {})
+                mirror["waits"] = mirror.get("waits", 0) + 0
+                samples.setdefault("waits", []).append(s["mirror"]["waits"])
+    off, on = statistics.median(samples["off"]), statistics.median(samples["on"])
+    result = {
+        "step_s_off": off, "step_s_on": on, "ratio_on_over_off": on / off,
+        "mirror_bytes_per_rank": mirror.get("mirror_bytes_per_rank"),
+        "host_bytes_per_rank": mirror.get("host_bytes_per_rank"),
+        "waits": sum(samples["waits"]),
+        "rounds": rounds, "steps_per_mode": len(samples["off"]),
+        "trainer_argv": argv, "nodes": nodes, "procs_per_node": procs_per_node,
+    }
+    print(f"step_s_off {off * 1000:.2f} ms | step_s_on {on * 1000:.2f} ms | "
+          f"ratio_on_over_off {on / off:.4f} | mirror_bytes_per_rank "
+          f"{result['mirror_bytes_per_rank']} | host_bytes_per_rank "
+          f"{result['host_bytes_per_rank']} | waits {result['waits']}", flush=True)
+    return result
+
+
+def recovery(repeats: int = 1) -> dict:
+    work = tempfile.mkdtemp(prefix="deadpool-bench-")
+    runs = []
+    for i in range(repeats):
+        s = run(LaunchOptions(nodes=4, procs_per_node=2, spare_nodes=1,
+                              inject=["kill:node=1@iter=12"],
+                              results_dir=os.path.join(work, f"run{i}"),
+                              trainer_argv=DEMO_FLAGS + ["--train-iters", "20", "--deadpool"],
+                              quiet=True), out=open(os.path.join(work, "workers.log"), "a"))
+        if not s["ok"] or not s.get("recoveries"):
+            raise RuntimeError(f"recovery benchmark run {i} failed: {s['error']}")
+        runs.append(s["recoveries"][0])
+        print(f"run {i + 1}/{repeats}: recovery total {runs[-1]['total_s']:.3f} s "
+              f"{runs[-1]['phases_s']}", flush=True)
+    result = {
+        "config": "demo: TP2 PP2 DP2, 4 nodes x 2 + 1 spare node, kill node 1 at iteration 12",
+        "total_s_median": statistics.median(r["total_s"] for r in runs),
+        "phases_s_median": {ph: statistics.median(r["phases_s"].get(ph, 0.0) for r in runs)
+                            for ph in PHASE_ORDER},
+        "runs": runs,
+    }
+    print(f"recovery total (median of {repeats}): {result['total_s_median']:.3f} s", flush=True)
+    return result

@@ -1,0 +1,26 @@
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+version = re.search(r'__version__ = "([^"]+)"',
+                    Path("megatron_deadpool/__init__.py").read_text()).group(1)
+
+setup(
+    name="megatron-deadpool",
+    version=version,
+    description="Hot-swap fault tolerance for Megatron-LM training: in-memory peer mirror "
+                "of optimizer shards and spare processes that take over dead ranks",
+    long_description=Path("README.md").read_text() if Path("README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_deadpool", "megatron_deadpool.*"]),
+    # torch: install torch==2.13.0 first on CPU machines (a bare `torch` pulls a CUDA build).
+    install_requires=["torch", "megatron-core==0.16.1", "numpy"],
+    extras_require={
+        "test": ["pytest>=7"],
+        # apex is a source install: see README "GPU extras".
+        "gpu": ["transformer-engine[pytorch]"],
+    },
+    entry_points={"console_scripts": ["deadpool=megatron_deadpool.cli:main"]},
+)
