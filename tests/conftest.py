@@ -1,0 +1,62 @@
+"""Shared helpers: run the real `deadpool` CLI in a subprocess and read its summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--lr", "1e-3", "--mock-data",
+        "--use-distributed-optimizer", "--vocab-size", "128", "--device", "cpu"]
+
+
+def layout_flags(tp: int, pp: int, iters: int, seed: int = 1234):
+    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+            *BASE, "--train-iters", str(iters), "--seed", str(seed)]
+
+
+def deadpool(args, cwd, timeout=600):
+    """Run `python -m megatron_deadpool.cli ARGS`; returns CompletedProcess (text)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "megatron_deadpool.cli", *args], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def launch(tmp_path, flags, nodes=4, ppn=2, spares=0, inject=(), extra_launch=(),
+           timeout=600, name="run"):
+    summary = tmp_path / f"{name}.json"
+    args = ["launch", "--nodes", str(nodes), "--procs-per-node", str(ppn),
+            "--spare-nodes", str(spares), "--summary-json", str(summary),
+            "--results-dir", str(tmp_path / name), *extra_launch]
+    for spec in inject:
+        args += ["--inject", spec]
+    proc = deadpool(args + ["--", *flags], cwd=tmp_path, timeout=timeout)
+    data = json.loads(summary.read_text()) if summary.exists() else None
+    return proc, data
+
+
+_REFERENCE = {}
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """Failure-free reference runs (mirror off), cached per (flags, nodes, ppn)."""
+
+    def get(flags, nodes=4, ppn=2):
+        key = (tuple(flags), nodes, ppn)
+        if key not in _REFERENCE:
+            d = tmp_path_factory.mktemp("reference")
+            proc, data = launch(d, flags, nodes=nodes, ppn=ppn, name="reference")
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            _REFERENCE[key] = data
+        return _REFERENCE[key]
+
+    return get

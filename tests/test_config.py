@@ -1,0 +1,33 @@
+import argparse
+
+import pytest
+
+from megatron_deadpool.config import DeadpoolConfig, add_deadpool_args
+from megatron_deadpool.errors import ConfigError
+
+
+def test_defaults_valid():
+    c = DeadpoolConfig()
+    assert c.replicas == 1 and not c.enabled
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"replicas": 0}, "replicas"),
+    ({"heartbeat_interval_s": 3.0, "heartbeat_timeout_s": 5.0}, "twice"),
+    ({"heartbeat_timeout_s": 400.0}, "soft < hard"),
+    ({"rendezvous_timeout_s": 700.0}, "collective-timeout"),
+    ({"audit": "deep"}, "audit"),
+    ({"progress_timeout_s": -1.0}, "> 0"),
+])
+def test_invariants(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        DeadpoolConfig(**kwargs)
+
+
+def test_argparse_roundtrip():
+    p = add_deadpool_args(argparse.ArgumentParser())
+    a = p.parse_args(["--deadpool", "--deadpool-replicas", "2",
+                      "--deadpool-heartbeat-timeout", "3", "--deadpool-events", "e.jsonl"])
+    c = DeadpoolConfig.from_args(a)
+    assert c.enabled and c.replicas == 2 and c.heartbeat_timeout_s == 3.0
+    assert c.events_path == "e.jsonl"

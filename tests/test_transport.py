@@ -1,0 +1,71 @@
+"""Conformance: every mirror transport passes the same test (3 processes)."""
+
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from megatron_deadpool.mirror.transport import GlooTransport, StoreTransport
+
+WORLD = 3
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _conformance(t, rank):
+    # ring exchange of different sizes: rank r sends (r+1)*100 bytes valued r to r+1
+    dst, src = (rank + 1) % WORLD, (rank - 1) % WORLD
+    send = torch.full(((rank + 1) * 100,), rank, dtype=torch.uint8)
+    recv = torch.empty(((src + 1) * 100,), dtype=torch.uint8)
+    t.exchange([(dst, send)], [(src, recv)])
+    assert torch.all(recv == src)
+    # many-to-one: everyone sends to 0
+    bufs = {r: torch.empty(10, dtype=torch.uint8) for r in range(1, WORLD)}
+    if rank == 0:
+        t.exchange([], [(r, b) for r, b in bufs.items()])
+        assert all(torch.all(b == r) for r, b in bufs.items())
+    else:
+        t.exchange([(0, torch.full((10,), rank, dtype=torch.uint8))], [])
+    assert t.all_ok(True) is True
+    assert t.all_ok(rank != 1) is False
+    assert t.all_max(rank * 10 - 5) == (WORLD - 1) * 10 - 5
+    assert t.all_gather_int(rank + 7) == [7 + r for r in range(WORLD)]
+
+
+def _worker(rank, kind, port, errq):
+    try:
+        store = torch.distributed.TCPStore("127.0.0.1", port, WORLD, rank == 0,
+                                           wait_for_workers=False)
+        if kind == "gloo":
+            torch.distributed.init_process_group("gloo", store=store, rank=rank,
+                                                 world_size=WORLD)
+            t = GlooTransport(timeout_s=60)
+        else:
+            t = StoreTransport(store, rank, WORLD, tag="t", timeout_s=60)
+        _conformance(t, rank)
+        if kind == "gloo":
+            torch.distributed.destroy_process_group()
+        errq.put(None)
+    except BaseException:  # noqa: BLE001
+        errq.put(traceback.format_exc())
+
+
+@pytest.mark.parametrize("kind", ["gloo", "store"])
+def test_transport_conformance(kind):
+    ctx = mp.get_context("spawn")
+    errq = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=_worker, args=(r, kind, port, errq)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    errors = [errq.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    assert errors == [None] * WORLD, "\n".join(e for e in errors if e)
