@@ -1,0 +1,45 @@
+"""Mirror must-shows: a rank's state comes back from its buddy's copy in another process."""
+
+import json
+
+import pytest
+
+from conftest import deadpool, launch, layout_flags
+
+pytestmark = [pytest.mark.slow]
+
+
+@pytest.mark.ci
+@pytest.mark.parametrize("tp,pp,victim", [(2, 2, 5), (1, 4, 3), (1, 1, 6)])
+def test_rank_killed_during_optimizer_restores_from_buddy(tmp_path, reference, tp, pp, victim):
+    """Rank `victim` dies inside its optimizer step at iteration 7 (others may already have
+    stepped). Every survivor rolls back to the committed iteration from its local snapshot;
+    the victim's state comes from its buddy's host memory into a fresh spare process."""
+    flags = layout_flags(tp, pp, 12)
+    ref = reference(flags)
+    p, s = launch(tmp_path, flags + ["--deadpool"], spares=1,
+                  inject=[f"kill:rank={victim}@iter=7,phase=optimizer"])
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
+    (rec,) = s["recoveries"]
+    assert rec["failed_ranks"] == [victim]
+    assert rec["spare_ranks"] == {str(victim): 8}
+    assert rec["restored_iter"] in (5, 6) and rec["recomputed_iters"] <= 1
+    assert s["final_state_sha256"] == ref["final_state_sha256"]
+    assert s["losses"] == ref["losses"]
+    m = s["mirror"]
+    assert m["host_bytes_per_rank"] <= 4 * m["mirror_bytes_per_rank"]
+
+
+@pytest.mark.ci
+def test_bench_overhead_prints_and_writes_fields(tmp_path):
+    out = tmp_path / "o.json"
+    p = deadpool(["bench", "overhead", "--json", str(out), "--rounds", "1", "--",
+                  *layout_flags(2, 2, 8)], cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    d = json.loads(out.read_text())
+    for k in ("step_s_off", "step_s_on", "ratio_on_over_off", "mirror_bytes_per_rank",
+              "host_bytes_per_rank", "waits"):
+        assert k in d, k
+    assert d["ratio_on_over_off"] == pytest.approx(d["step_s_on"] / d["step_s_off"])
+    assert d["host_bytes_per_rank"] <= 4 * d["mirror_bytes_per_rank"]
+    assert "ratio_on_over_off" in p.stdout
