@@ -25,6 +25,7 @@ from .errors import (DeadpoolError, NoCommittedStateError, NoSpareError, RebindA
                      StaleGenerationError)
 from .launch import inject
 from .megatron import shard
+from .megatron.support import check_supported
 from .membership import store as st
 from .mirror import placement
 from .mirror.mirror import Mirror, MirrorError
@@ -196,6 +197,7 @@ class Runtime:
 
         if self._joined_as_spare:
             self._suppressor.stop()
+        check_supported(model)
 
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.train_state = train_state

@@ -31,3 +31,19 @@ def test_argparse_roundtrip():
     c = DeadpoolConfig.from_args(a)
     assert c.enabled and c.replicas == 2 and c.heartbeat_timeout_s == 3.0
     assert c.events_path == "e.jsonl"
+
+
+def test_unrebindable_configs_are_refused():
+    from types import SimpleNamespace as NS
+
+    from megatron_deadpool.errors import UnsupportedConfigError
+    from megatron_deadpool.megatron.support import check_supported, unsupported_features
+
+    ok = NS(config=NS(tp_comm_overlap=False, enable_cuda_graph=False, cuda_graph_impl="none"),
+            ddp_config=NS(nccl_ub=False, use_megatron_fsdp=False))
+    check_supported([ok])
+    bad = NS(config=NS(tp_comm_overlap=True, enable_cuda_graph=False, cuda_graph_impl="local"),
+             ddp_config=NS(nccl_ub=True, use_megatron_fsdp=True))
+    assert len(unsupported_features([bad])) == 4
+    with pytest.raises(UnsupportedConfigError, match="userbuffers.*CUDA graphs|CUDA graphs"):
+        check_supported([bad])

@@ -211,7 +211,7 @@ class Decider:
             committed = max((p.hb_committed for p in self.procs.values()
                              if p.rank is not None and p.state == "alive"), default=-1)
             self._shutdown(f"no spare left: {exc}; last committed iteration {committed}")
-            self.failed_reason = f"{exc}; last committed iteration {committed}"
+            self.failed_reason = f"no spare left: {exc}; last committed iteration {committed}"
             self.finished = True
             return
         for p in dead:
