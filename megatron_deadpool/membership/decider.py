@@ -176,12 +176,34 @@ class Decider:
             if hb["iteration"] != p.hb_iteration or hb["state"] != "ACTIVE":
                 p.hb_iteration, p.progress_change = hb["iteration"], now
             p.hb_committed = hb["committed"]
+        self._poll_agents(now)
         for p in live:
+            if p.state != "alive":
+                continue
             if now - p.hb_change > self.config.heartbeat_timeout_s:
                 self._fence(p, f"heartbeat stale for {now - p.hb_change:.1f}s", p.hb_change)
             elif p.rank is not None and now - p.progress_change > self.config.progress_timeout_s:
                 self._fence(p, f"no progress for {now - p.progress_change:.1f}s",
                             p.progress_change)
+
+    def _poll_agents(self, now: float) -> None:
+        """A node whose agent heartbeat went stale is lost: all its processes are dead (no
+        fencing possible; they can never rejoin since no plan names them again)."""
+        if not hasattr(self, "_agent_hb"):
+            self._agent_hb: Dict[int, tuple] = {}
+        for node in sorted({p.node for p in self.procs.values()}):
+            key = st.k("agent_hb", node)
+            if not self.store.check([key]):
+                continue
+            val = self.store.get(key)
+            last = self._agent_hb.get(node)
+            if last is None or last[0] != val:
+                self._agent_hb[node] = (val, now)
+            elif now - last[1] > self.config.heartbeat_timeout_s:
+                for p in self.procs.values():
+                    if p.node == node and p.state in ("alive", "starting", "admitted"):
+                        self._declare_dead(p, f"node {node} lost (agent heartbeat stale for "
+                                              f"{now - last[1]:.1f}s)", last[1])
 
     def _fence(self, p: Proc, why: str, since: float) -> None:
         self.log(f"fencing process {p.lid} (rank {p.rank}, node {p.node}): {why}")
