@@ -13,14 +13,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
-        "--global-batch-size", "8", "--lr", "1e-3", "--mock-data",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--global-batch-size", "8", "--lr", "1e-3", "--mock-data",
         "--use-distributed-optimizer", "--vocab-size", "128", "--device", "cpu"]
 
 
-def layout_flags(tp: int, pp: int, iters: int, seed: int = 1234):
+def layout_flags(tp: int, pp: int, iters: int, seed: int = 1234, world: int = 8):
+    mbs = max(1, min(2, 8 // (world // (tp * pp))))  # global batch 8 must divide
     return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-            *BASE, "--train-iters", str(iters), "--seed", str(seed)]
+            "--micro-batch-size", str(mbs), *BASE, "--train-iters", str(iters),
+            "--seed", str(seed)]
 
 
 def deadpool(args, cwd, timeout=600):

@@ -132,3 +132,14 @@ def test_schedule_validation():
         inject.validate_schedule(sched, total_nodes=5, world_size=8, train_iters=10)
     with pytest.raises(ConfigError, match="iteration 30"):
         inject.validate_schedule(inject.parse_schedule(["kill:rank=1@iter=30"]), 5, 8, 10)
+
+
+def test_single_rank_replacements_keep_one_copy_per_rank():
+    r2n = nodes_of(8, 2)
+    r2n[5] = 4  # rank 5 moved alone to spare node 4
+    b = placement.buddies(r2n, 1)
+    assert all(len(h) == 1 for h in placement.holders_of(b))
+    r2n[7] = 4  # then rank 7 too: 5 -> 7 would now be on the same node
+    b = placement.buddies(r2n, 1)
+    assert all(r2n[x[0]] != r2n[r] for r, x in enumerate(b))
+    assert max(len(h) for h in placement.holders_of(b)) <= 2
