@@ -153,7 +153,7 @@ class Runtime:
                 if self._stop.is_set():
                     return
                 time.sleep(0.5)
-            time.sleep(0.05)
+            time.sleep(0.1)
 
     def _abort_current(self, reason: str) -> None:
         with self._lock:
@@ -418,6 +418,7 @@ class Runtime:
         if self.mirror is not None:
             self.mirror.wait()
             info = {"mirror_waits": self.mirror.waits, "mirror_wait_s": self.mirror.wait_s,
+                    "mirror_jobs": self.mirror.jobs, "mirror_job_s": self.mirror.job_s,
                     "host_bytes": self.mirror.host_bytes,
                     "mirror_bytes": self.mirror.layout.total_bytes if self.mirror.layout else 0,
                     "committed": self.mirror.committed}

@@ -186,7 +186,7 @@ def run(opts: LaunchOptions, out=sys.stdout) -> dict:
                     break
             if not any(a.alive() for a in agents):
                 break
-            time.sleep(0.01)
+            time.sleep(0.02)
     except KeyboardInterrupt:
         failed = "interrupted"
     finally:

@@ -54,6 +54,7 @@ class Mirror:
         self.waits = 0
         self.wait_s = 0.0
         self.jobs = 0
+        self.job_s = 0.0
         self.last_error: Optional[BaseException] = None
         self._q: "queue.Queue" = queue.Queue()
         self._idle = threading.Event()
@@ -131,12 +132,14 @@ class Mirror:
             item = self._q.get()
             if item is None:
                 return
+            t0 = time.perf_counter()
             try:
                 kind, iteration, meta, event = item
                 self._snapshot_job(iteration, meta, event)
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread by wait()
                 self.last_error = exc
             finally:
+                self.job_s += time.perf_counter() - t0
                 self.jobs += 1
                 if self._q.empty():
                     self._idle.set()
