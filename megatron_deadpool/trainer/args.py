@@ -56,7 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--backend", choices=["gloo", "nccl"], default=None,
       help="default: nccl on cuda, gloo on cpu")
     a("--untie-embeddings-and-output-weights", action="store_true")
-    a("--results-json", default=None, help="write per-rank results (losses, digest) here")
     add_deadpool_args(p)
     return p
 

@@ -1,0 +1,53 @@
+"""The launcher as one agent per node (as under srun): three agent processes on this
+machine, node 0 hosting the coordinator, node 2 a spare node; node 1 is killed."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, layout_flags
+
+pytestmark = [pytest.mark.slow]
+
+
+def _port_pair():
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p < 60000:
+            with socket.socket() as s2:
+                try:
+                    s2.bind(("127.0.0.1", p + 1))
+                    return p
+                except OSError:
+                    continue
+
+
+@pytest.mark.ci
+def test_one_agent_per_node_with_spare_node(tmp_path, reference):
+    flags = layout_flags(1, 1, 8, world=2)
+    ref = reference(flags, nodes=2, ppn=1)
+    port = _port_pair()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), DEADPOOL_TOKEN="t0k")
+    procs = []
+    for node in range(3):
+        args = [sys.executable, "-m", "megatron_deadpool.cli", "launch", "--nodes", "2",
+                "--procs-per-node", "1", "--spare-nodes", "1", "--node-rank", str(node),
+                "--master-addr", "127.0.0.1", "--master-port", str(port),
+                "--results-dir", str(tmp_path / "res"), "--inject", "kill:node=1@iter=4",
+                "--summary-json", str(tmp_path / f"node{node}.json"), "--",
+                *flags, "--deadpool"]
+        procs.append(subprocess.Popen(args, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=400)[0] for p in procs]
+    assert procs[0].returncode == 0, outs[0][-4000:]
+    s = json.loads((tmp_path / "node0.json").read_text())
+    assert s["final_state_sha256"] == ref["final_state_sha256"]
+    (rec,) = s["recoveries"]
+    assert rec["failed_ranks"] == [1] and rec["spare_ranks"] == {"1": 2}
+    assert not (tmp_path / "node1.json").exists()  # only node 0 writes the summary
