@@ -46,6 +46,14 @@ def _env(name: str, default: Optional[str] = None) -> str:
     return v
 
 
+def _to_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _from_bytes(b: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
+
+
 def _drop_traceback(exc: BaseException) -> None:
     """The failed step's frames hold the old groups (schedules, p2p communicators): clear
     them so the old generation can be freed."""
@@ -263,11 +271,14 @@ class Runtime:
         import numpy as np
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+        # Tensors are stored as raw bytes: pickling torch tensors goes through torch.save and
+        # costs milliseconds per step on the mirror thread.
         rng = {"python": random.getstate(), "numpy": np.random.get_state(),
-               "torch": torch.get_rng_state(),
-               "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}}
+               "torch": _to_bytes(torch.get_rng_state()),
+               "tracker": {k: _to_bytes(v) for k, v in
+                           get_cuda_rng_tracker().get_states().items()}}
         if self.h.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state()
+            rng["cuda"] = _to_bytes(torch.cuda.get_rng_state())
         meta: Dict[str, Any] = {
             "iteration": iteration,
             "consumed_train_samples": int(self.train_state.consumed_train_samples),
@@ -293,10 +304,10 @@ class Runtime:
         if scaler is not None and "grad_scaler" in meta:
             scaler.load_state_dict(meta["grad_scaler"])
         rng = meta["rng"]
-        get_cuda_rng_tracker().set_states(rng["tracker"])
+        get_cuda_rng_tracker().set_states({k: _from_bytes(v) for k, v in rng["tracker"].items()})
         if "cuda" in rng:
-            torch.cuda.set_rng_state(rng["cuda"])
-        torch.set_rng_state(rng["torch"])
+            torch.cuda.set_rng_state(_from_bytes(rng["cuda"]))
+        torch.set_rng_state(_from_bytes(rng["torch"]))
         np.random.set_state(rng["numpy"])
         random.setstate(rng["python"])
         self.iteration = meta["iteration"]
