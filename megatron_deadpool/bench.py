@@ -36,6 +36,7 @@ def overhead(trainer_argv: Optional[List[str]], rounds: int = 3, nodes: int = 4,
     argv = [a for a in argv if a != "--deadpool"]
     work = tempfile.mkdtemp(prefix="deadpool-bench-")
     samples = {"off": [], "on": []}
+    per_round = []
     mirror = {}
     for i in range(rounds):
         for mode in ("off", "on"):
@@ -47,11 +48,12 @@ def overhead(trainer_argv: Optional[List[str]], rounds: int = 3, nodes: int = 4,
                 raise RuntimeError(f"benchmark run {mode}{i} failed: {s['error']}")
             times = _step_times(rd, nodes * procs_per_node)
             samples[mode].extend(times)
+            per_round.append({"round": i + 1, "mirror": mode,
+                              "median_step_s": statistics.median(times)})
             print(f"round {i + 1}/{rounds} mirror {mode:>3}: median step "
                   f"{statistics.median(times) * 1000:.1f} ms", flush=True)
             if mode == "on":
                 mirror = s.get("mirror", {})
-                mirror["waits"] = mirror.get("waits", 0) + 0
                 samples.setdefault("waits", []).append(s["mirror"]["waits"])
     off, on = statistics.median(samples["off"]), statistics.median(samples["on"])
     result = {
@@ -59,7 +61,7 @@ def overhead(trainer_argv: Optional[List[str]], rounds: int = 3, nodes: int = 4,
         "mirror_bytes_per_rank": mirror.get("mirror_bytes_per_rank"),
         "host_bytes_per_rank": mirror.get("host_bytes_per_rank"),
         "waits": sum(samples["waits"]),
-        "rounds": rounds, "steps_per_mode": len(samples["off"]),
+        "rounds": rounds, "steps_per_mode": len(samples["off"]), "per_round": per_round,
         "trainer_argv": argv, "nodes": nodes, "procs_per_node": procs_per_node,
     }
     print(f"step_s_off {off * 1000:.2f} ms | step_s_on {on * 1000:.2f} ms | "

@@ -28,7 +28,7 @@ from .megatron import shard
 from .megatron.support import check_supported
 from .membership import store as st
 from .mirror import placement
-from .mirror.mirror import Mirror, MirrorError
+from .mirror.mirror import Mirror, MirrorError, lower_thread_priority, native_thread_ids
 from .mirror.transport import GlooTransport
 from .recovery import abort as ab
 from .recovery.phases import EventSink, Phase, PhaseTimer
@@ -231,7 +231,10 @@ class Runtime:
         self.state = "ACTIVE"
 
     def _connect_mirror(self) -> None:
+        before = native_thread_ids("gloo_tcp_loop")
         transport = GlooTransport(timeout_s=self.config.collective_timeout_s)
+        for tid in native_thread_ids("gloo_tcp_loop") - before:  # the mirror group's I/O
+            lower_thread_priority(tid)
         self.mirror.set_topology(transport, self.plan["node_of_rank"])
 
     def _wrap_optimizer_step(self, optimizer) -> None:
