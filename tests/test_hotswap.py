@@ -93,3 +93,13 @@ def test_demo(tmp_path):
     assert set(rec["phases_s"]) == set(PHASE_ORDER)
     assert d["completed_iters"] == 30 and d["faults"][0]["at_iter"] == 12
     assert "recovery timeline" in p.stdout
+
+
+def test_rank_killed_during_mirror_exchange(tmp_path, reference):
+    """The victim dies inside its mirror job (snapshot taken, exchange in flight): that
+    iteration never commits and everyone restores the previous one."""
+    p, s = launch(tmp_path, FLAGS + ["--deadpool"], spares=1,
+                  inject=["kill:rank=2@iter=5,phase=mirror"])
+    _check_ok(p, s, reference(FLAGS))
+    (rec,) = s["recoveries"]
+    assert rec["failed_ranks"] == [2] and rec["restored_iter"] == 4
