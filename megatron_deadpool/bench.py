@@ -30,8 +30,17 @@ def _step_times(results_dir: str, world_size: int) -> List[float]:
     return [max(xs) for xs in zip(*per_rank)][WARMUP_ITERS:]
 
 
+def _with_iters(argv: List[str], n: int) -> List[str]:
+    out = list(argv)
+    if "--train-iters" in out:
+        out[out.index("--train-iters") + 1] = str(n)
+    else:
+        out += ["--train-iters", str(n)]
+    return out
+
+
 def overhead(trainer_argv: Optional[List[str]], rounds: int = 3, nodes: int = 4,
-             procs_per_node: int = 2) -> dict:
+             procs_per_node: int = 2, in_run_iters: int = 60) -> dict:
     argv = list(trainer_argv) if trainer_argv else DEMO_FLAGS + ["--train-iters", "30"]
     argv = [a for a in argv if a != "--deadpool"]
     work = tempfile.mkdtemp(prefix="deadpool-bench-")
@@ -64,11 +73,49 @@ def overhead(trainer_argv: Optional[List[str]], rounds: int = 3, nodes: int = 4,
         "rounds": rounds, "steps_per_mode": len(samples["off"]), "per_round": per_round,
         "trainer_argv": argv, "nodes": nodes, "procs_per_node": procs_per_node,
     }
+    if in_run_iters:
+        n = in_run_iters
+        ir_argv = _with_iters(argv, n)
+        result["in_run"] = in_run(ir_argv, nodes, procs_per_node)
+        print(f"in one job (alternating blocks of {result['in_run']['block']} iterations): "
+              f"step_s_off {result['in_run']['step_s_off'] * 1000:.2f} ms | step_s_on "
+              f"{result['in_run']['step_s_on'] * 1000:.2f} ms | ratio "
+              f"{result['in_run']['ratio_on_over_off']:.4f}", flush=True)
     print(f"step_s_off {off * 1000:.2f} ms | step_s_on {on * 1000:.2f} ms | "
           f"ratio_on_over_off {on / off:.4f} | mirror_bytes_per_rank "
           f"{result['mirror_bytes_per_rank']} | host_bytes_per_rank "
           f"{result['host_bytes_per_rank']} | waits {result['waits']}", flush=True)
     return result
+
+
+def in_run(argv: List[str], nodes: int, procs_per_node: int, block: int = 3) -> dict:
+    """Mirror on and off in alternating blocks of ``block`` iterations inside ONE job, so
+    both modes see the same processes and machine load. The first step of each block is
+    dropped (it still carries the previous block's mode: snapshot k is paid for in step k+1).
+    Measures the snapshot and exchange only; the runtime's threads run in both modes."""
+    work = tempfile.mkdtemp(prefix="deadpool-bench-inrun-")
+    os.environ["DEADPOOL_BENCH_BLOCK"] = str(block)
+    try:
+        s = run(LaunchOptions(nodes=nodes, procs_per_node=procs_per_node, results_dir=work,
+                              trainer_argv=argv + ["--deadpool"], quiet=True),
+                out=open(os.path.join(work, "workers.log"), "a"))
+    finally:
+        del os.environ["DEADPOOL_BENCH_BLOCK"]
+    if not s["ok"]:
+        raise RuntimeError(f"in-run benchmark failed: {s['error']}")
+    per_rank = []
+    for r in range(nodes * procs_per_node):
+        with open(os.path.join(work, f"rank{r}.json")) as f:
+            per_rank.append(json.load(f))
+    steps = [max(xs) for xs in zip(*(x["step_s"] for x in per_rank))]
+    modes = per_rank[0]["bench_modes"]
+    by = {"on": [], "off": []}
+    for i, (t, m) in enumerate(zip(steps, modes)):
+        if i >= WARMUP_ITERS and i % block != 0:
+            by[m].append(t)
+    on, off = statistics.median(by["on"]), statistics.median(by["off"])
+    return {"step_s_off": off, "step_s_on": on, "ratio_on_over_off": on / off,
+            "block": block, "steps_on": len(by["on"]), "steps_off": len(by["off"])}
 
 
 def recovery(repeats: int = 1) -> dict:

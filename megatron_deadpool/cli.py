@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--rounds", type=int, default=3, help="off/on pairs, interleaved")
     bo.add_argument("--nodes", type=int, default=4)
     bo.add_argument("--procs-per-node", type=int, default=2)
+    bo.add_argument("--in-run-iters", type=int, default=60,
+                    help="also measure on/off in alternating blocks inside one job of this "
+                         "many iterations (0: skip)")
     br = bsub.add_parser("recovery", help="recovery time of the demo config, per phase")
     br.add_argument("--json", default=None, metavar="FILE")
     br.add_argument("--repeats", type=int, default=1)
@@ -105,7 +108,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             if args.bench == "overhead":
                 result = bench.overhead(rest, rounds=args.rounds, nodes=args.nodes,
-                                        procs_per_node=args.procs_per_node)
+                                        procs_per_node=args.procs_per_node,
+                                        in_run_iters=args.in_run_iters)
             else:
                 result = bench.recovery(repeats=args.repeats)
             if args.json:

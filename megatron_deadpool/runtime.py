@@ -94,6 +94,10 @@ class Runtime:
         self._shutdown_reason: Optional[str] = None
         self._first_step: Optional[tuple] = None
         self._joined_as_spare = False
+        # Benchmark only (`deadpool bench overhead`): snapshot in alternating blocks of this
+        # many iterations, so mirror-on and mirror-off steps are measured in one job.
+        self._bench_block = int(os.environ.get("DEADPOOL_BENCH_BLOCK", "0"))
+        self.bench_modes: List[str] = []
 
     # ================================================================ membership
     def join(self) -> None:
@@ -261,7 +265,11 @@ class Runtime:
 
     def after_step(self, iteration: int) -> None:
         self.iteration = iteration
-        self.mirror.begin(iteration, self._meta(iteration))
+        if self._bench_block and ((iteration - 1) // self._bench_block) % 2 == 1:
+            self.bench_modes.append("off")
+        else:
+            self.bench_modes.append("on")
+            self.mirror.begin(iteration, self._meta(iteration))
         if self._first_step is not None:
             timer, t0, report = self._first_step
             self._first_step = None
@@ -433,6 +441,7 @@ class Runtime:
             self.mirror.wait()
             info = {"mirror_waits": self.mirror.waits, "mirror_wait_s": self.mirror.wait_s,
                     "mirror_jobs": self.mirror.jobs, "mirror_job_s": self.mirror.job_s,
+                    "bench_modes": self.bench_modes,
                     "host_bytes": self.mirror.host_bytes,
                     "mirror_bytes": self.mirror.layout.total_bytes if self.mirror.layout else 0,
                     "committed": self.mirror.committed}

@@ -33,7 +33,8 @@ def test_rank_killed_during_optimizer_restores_from_buddy(tmp_path, reference, t
 @pytest.mark.ci
 def test_bench_overhead_prints_and_writes_fields(tmp_path):
     out = tmp_path / "o.json"
-    p = deadpool(["bench", "overhead", "--json", str(out), "--rounds", "1", "--",
+    p = deadpool(["bench", "overhead", "--json", str(out), "--rounds", "1",
+                  "--in-run-iters", "15", "--",
                   *layout_flags(2, 2, 8)], cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     d = json.loads(out.read_text())
@@ -43,3 +44,6 @@ def test_bench_overhead_prints_and_writes_fields(tmp_path):
     assert d["ratio_on_over_off"] == pytest.approx(d["step_s_on"] / d["step_s_off"])
     assert d["host_bytes_per_rank"] <= 4 * d["mirror_bytes_per_rank"]
     assert "ratio_on_over_off" in p.stdout
+    ir = d["in_run"]
+    assert ir["steps_on"] > 0 and ir["steps_off"] > 0
+    assert ir["ratio_on_over_off"] == pytest.approx(ir["step_s_on"] / ir["step_s_off"])
