@@ -1,16 +1,21 @@
-"""Declarative fault schedule: ``kind:target@iter=N[,phase=P]``.
+"""Declarative fault schedule: ``kind:target=N@iter=N[,phase=P]``.
 
     kill:node=1@iter=12                  SIGKILL every process of node 1 at iteration 12
     kill:rank=5@iter=7,phase=optimizer   SIGKILL rank 5 during its optimizer step
     stop:rank=3@iter=9                   SIGSTOP rank 3 (a hang)
+    stop:node=2@iter=4                   SIGSTOP every process of node 2
 
-Every worker gets the same schedule (as JSON in an env var) so all ranks agree on it.
+    iteration:  ... | forward_backward | optimizer | mirror | ... next iteration
+                          ^ default        ^              ^  (phase= picks the point)
+
+The launcher parses the ``--inject`` specs once, validates them and passes the schedule to
+every worker as JSON in an environment variable, so every rank agrees on it. ``Fault.index``
+(the position in the schedule) is the fault's unique id.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass
 from typing import List, Optional, Sequence
 
@@ -18,13 +23,19 @@ from ..errors import ConfigError
 
 KINDS = ("kill", "stop")
 PHASES = ("forward_backward", "optimizer", "mirror")
-_FORM = "kill|stop:node=N|rank=N@iter=N[,phase=forward_backward|optimizer|mirror]"
-_RE = re.compile(r"^(?P<kind>\w+):(?P<tk>node|rank)=(?P<tv>\d+)@iter=(?P<it>\d+)"
-                 r"(?:,phase=(?P<phase>\w+))?$")
+TARGETS = ("node", "rank")
+FORM = "kill|stop:node=N|rank=N@iter=N[,phase=forward_backward|optimizer|mirror]"
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
 class Fault:
+    """One fault: ``kind`` ('kill' | 'stop') on a node or a rank (exactly one of them) at
+    ``iteration`` in ``phase``; ``index`` is its position in the schedule."""
+
     kind: str
     iteration: int
     node: Optional[int] = None
@@ -32,42 +43,114 @@ class Fault:
     phase: str = "forward_backward"
     index: int = 0
 
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError(f"fault kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.phase not in PHASES:
+            raise ConfigError(f"fault phase must be one of {', '.join(PHASES)}, "
+                              f"got {self.phase!r}")
+        if (self.node is None) == (self.rank is None):
+            raise ConfigError(f"a fault targets exactly one of node or rank, got "
+                              f"node={self.node!r} rank={self.rank!r}")
+        for name in ("iteration", "index", "node", "rank"):
+            v = getattr(self, name)
+            if v is not None and not _is_int(v):
+                raise ConfigError(f"fault {name} must be an integer, got {v!r}")
+
     def targets(self, rank: int, node: int) -> bool:
-        return self.node == node if self.node is not None else self.rank == rank
+        """Whether a worker with global ``rank`` running on ``node`` is hit by this fault."""
+        if self.node is not None:
+            return self.node == node
+        return self.rank == rank
+
+    def describe(self) -> str:
+        """The spec form of this fault (``parse_fault(f.describe()) == f`` up to index)."""
+        target = f"node={self.node}" if self.node is not None else f"rank={self.rank}"
+        phase = "" if self.phase == "forward_backward" else f",phase={self.phase}"
+        return f"{self.kind}:{target}@iter={self.iteration}{phase}"
+
+
+def _bad(spec: str, what: str) -> ConfigError:
+    return ConfigError(f"bad --inject spec {spec!r}: {what}; expected {FORM}")
+
+
+def _int(spec: str, name: str, text: str) -> int:
+    if not text.isdigit() or not text.isascii():
+        raise _bad(spec, f"{name} must be a non-negative integer, got {text!r}")
+    return int(text)
 
 
 def parse_fault(spec: str, index: int = 0) -> Fault:
-    m = _RE.match(spec.strip())
-    if not m:
-        raise ConfigError(f"bad --inject spec {spec!r}; expected {_FORM}")
-    kind, phase = m["kind"], m["phase"] or "forward_backward"
+    """Parse one ``--inject`` spec; raises :class:`ConfigError` (one line) when malformed."""
+    if not isinstance(spec, str):
+        raise ConfigError(f"bad --inject spec {spec!r}: not a string; expected {FORM}")
+    s = spec.strip()
+    head, at, tail = s.partition("@")
+    if not at:
+        raise _bad(spec, "missing '@iter=N'")
+    kind, colon, target = head.partition(":")
+    if not colon:
+        raise _bad(spec, "missing ':' after the kind")
     if kind not in KINDS:
-        raise ConfigError(f"bad --inject spec {spec!r}: kind must be one of {KINDS}")
+        raise _bad(spec, f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    tkey, eq, tval = target.partition("=")
+    if not eq or tkey not in TARGETS:
+        raise _bad(spec, f"target must be node=N or rank=N, got {target!r}")
+    tnum = _int(spec, tkey, tval)
+    fields = {}
+    for item in tail.split(","):
+        key, eq, val = item.partition("=")
+        if not eq or key not in ("iter", "phase"):
+            raise _bad(spec, f"unknown option {item!r} (iter= and phase= are allowed)")
+        if key in fields:
+            raise _bad(spec, f"{key}= given twice")
+        fields[key] = val
+    if "iter" not in fields:
+        raise _bad(spec, "missing 'iter=N' after '@'")
+    iteration = _int(spec, "iter", fields["iter"])
+    phase = fields.get("phase", "forward_backward")
     if phase not in PHASES:
-        raise ConfigError(f"bad --inject spec {spec!r}: phase must be one of {PHASES}")
-    tv = int(m["tv"])
-    return Fault(kind=kind, iteration=int(m["it"]), node=tv if m["tk"] == "node" else None,
-                 rank=tv if m["tk"] == "rank" else None, phase=phase, index=index)
+        raise _bad(spec, f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
+    return Fault(kind=kind, iteration=iteration, node=tnum if tkey == "node" else None,
+                 rank=tnum if tkey == "rank" else None, phase=phase, index=index)
 
 
 def parse_schedule(specs: Sequence[str]) -> List[Fault]:
+    """Parse every spec; a fault's ``index`` is its position in ``specs``."""
     return [parse_fault(s, i) for i, s in enumerate(specs)]
 
 
 def to_json(faults: Sequence[Fault]) -> str:
-    return json.dumps([asdict(f) for f in faults])
+    """Serialise a schedule (for the ``DEADPOOL_INJECT`` environment variable)."""
+    return json.dumps([asdict(f) for f in faults], separators=(",", ":"))
 
 
-def from_json(s: str) -> List[Fault]:
-    return [Fault(**d) for d in json.loads(s or "[]")]
+def from_json(s: Optional[str]) -> List[Fault]:
+    """Inverse of :func:`to_json`; an empty string or None is the empty schedule."""
+    if not s:
+        return []
+    try:
+        data = json.loads(s)
+        if not isinstance(data, list):
+            raise TypeError(f"expected a list, got {type(data).__name__}")
+        return [Fault(**d) for d in data]
+    except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"bad fault schedule JSON: {exc}") from None
 
 
 def validate_schedule(faults: Sequence[Fault], total_nodes: int, world_size: int,
                       train_iters: int) -> None:
+    """Check every fault against the job: node in ``0..total_nodes-1`` (training plus spare
+    nodes), rank in ``0..world_size-1``, iteration in ``1..train_iters``."""
     for f in faults:
+        where = f"--inject {f.describe()}"
         if f.node is not None and not 0 <= f.node < total_nodes:
-            raise ConfigError(f"--inject: node {f.node} does not exist (0..{total_nodes - 1})")
+            raise ConfigError(f"{where}: node {f.node} does not exist "
+                              f"(nodes are 0..{total_nodes - 1})")
         if f.rank is not None and not 0 <= f.rank < world_size:
-            raise ConfigError(f"--inject: rank {f.rank} does not exist (0..{world_size - 1})")
+            raise ConfigError(f"{where}: rank {f.rank} does not exist "
+                              f"(ranks are 0..{world_size - 1})")
         if not 1 <= f.iteration <= train_iters:
-            raise ConfigError(f"--inject: iteration {f.iteration} is outside 1..{train_iters}")
+            raise ConfigError(f"{where}: iteration {f.iteration} is outside 1..{train_iters}")

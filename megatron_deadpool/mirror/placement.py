@@ -1,60 +1,99 @@
 """Buddy placement: a pure function of the rank -> node map ("rank-shift ring").
 
-    node0 [r0 r1]   node1 [r2 r3]   node2 [r4 r5]   node3 [r6 r7]
-      r0 -> r2        r2 -> r4        r4 -> r6        r6 -> r0      (K=1: shift by P=2)
+Each rank's mirror copy goes to K buddy ranks on K other nodes. With P = ranks per node
+(the largest node), copy k of rank r goes to rank (r + k*P) mod W:
+
+    node0 [r0 r1]   node1 [r2 r3]   node2 [r4 r5]   node3 [r6 r7]      K=1, P=2, W=8
+      r0 -> r2        r2 -> r4        r4 -> r6        r6 -> r0
       r1 -> r3        r3 -> r5        r5 -> r7        r7 -> r1
 
-Rank r's k-th copy goes to rank (r + k*P) mod W, P = ranks per node (the largest node).
-Ranks keep their global ids when spares take over, so the shift stays a bijection: every rank
-holds exactly K copies and host memory stays at own double buffer + K buddy double buffers,
-even after single ranks moved to spare nodes. If a shift lands on the owner's node (possible
-once a spare node hosts ranks of different original nodes) or on a node already used, the
-next shift is tried, then any rank on an unused node. A buddy is never on its owner's node.
+For equal-sized nodes of consecutive ranks this is exactly the "node ring" (the j-th rank of
+node i sends to the j-th rank of node i+k), and it stays so after a whole node is replaced:
+spares take over the dead ranks' global ids, so the placement does not even change.
+
+Why shift ranks instead of walking the node ring: a shift is a bijection on ranks, so every
+rank holds exactly K copies (host memory = own double buffer + K buddy double buffers) even
+after *single* ranks moved to spare nodes. A node ring over uneven nodes would pile the copies
+of a full node onto the lone rank of a half-used spare node:
+
+    node2 [r4 r5 r6 r7] -> node4 [r9]      node ring: r9 holds 4 copies
+                                            rank shift: r9 holds 1 copy
+
+Safety first: a shift that lands on the owner's node or on a node already used for this rank
+is skipped; after at most _MAX_SHIFTS tries (or a full cycle) the node ring fills the rest.
+A buddy is never on its owner's node and the K buddies are on K distinct nodes.
 """
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from math import gcd
 from typing import Dict, Hashable, List, Sequence
 
 from ..errors import ConfigError
 
+# Shifts tried per rank before falling back to the node ring: bounds the cost on degenerate
+# layouts (one huge node next to tiny ones) to O(W * (_MAX_SHIFTS + K)).
+_MAX_SHIFTS = 64
+
 
 def buddies(rank_to_node: Sequence[Hashable], replicas: int) -> List[List[int]]:
-    if replicas < 1:
-        raise ConfigError(f"replicas must be >= 1, got {replicas}")
+    """Return, for every global rank, the ``replicas`` buddy ranks that hold its copy.
+
+    ``rank_to_node[r]`` is the id of the node currently hosting rank ``r`` (any hashable).
+    Raises :class:`ConfigError` when ``replicas < 1`` or the layout has fewer than
+    ``replicas + 1`` nodes. Deterministic: every process computes the same answer.
+    """
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ConfigError(f"replicas must be an integer >= 1, got {replicas!r}")
     world = len(rank_to_node)
-    counts = Counter(rank_to_node)
-    if len(counts) < replicas + 1:
-        raise ConfigError(f"{replicas} replica(s) need at least {replicas + 1} nodes, "
-                          f"the layout has {len(counts)}")
-    stride = max(counts.values())
-    out = []
+    members: Dict[Hashable, List[int]] = {}  # insertion order = nodes by smallest rank
+    pos: List[int] = []  # position of each rank among its node's ranks
+    for r, node in enumerate(rank_to_node):
+        ranks = members.setdefault(node, [])
+        pos.append(len(ranks))
+        ranks.append(r)
+    if len(members) < replicas + 1:
+        raise ConfigError(f"{replicas} replica(s) need at least {replicas + 1} nodes (each "
+                          f"copy on another node), the layout has {len(members)} node(s) "
+                          f"for {world} rank(s)")
+    ring = list(members)
+    index = {node: i for i, node in enumerate(ring)}
+    stride = max(len(v) for v in members.values())
+    tries = min(world // gcd(stride, world), _MAX_SHIFTS)  # shifts repeat after a cycle
+    out: List[List[int]] = []
     for r in range(world):
-        used = {rank_to_node[r]}
+        own = rank_to_node[r]
+        used = {own}
         row: List[int] = []
-        m = 1
-        while len(row) < replicas and m < world:
+        for m in range(1, tries):
+            if len(row) == replicas:
+                break
             b = (r + m * stride) % world
             if rank_to_node[b] not in used:
                 row.append(b)
                 used.add(rank_to_node[b])
-            m += 1
-        if len(row) < replicas:  # tiny or degenerate layouts: any rank on an unused node
-            for b in range(world):
+        if len(row) < replicas:  # node ring: j-th rank (mod size) of the next unused nodes
+            i, j = index[own], pos[r]
+            for step in range(1, len(ring)):
                 if len(row) == replicas:
                     break
-                if rank_to_node[b] not in used:
-                    row.append(b)
-                    used.add(rank_to_node[b])
+                node = ring[(i + step) % len(ring)]
+                if node not in used:
+                    ranks = members[node]
+                    row.append(ranks[j % len(ranks)])
+                    used.add(node)
         out.append(row)
     return out
 
 
 def holders_of(buddy_lists: Sequence[Sequence[int]]) -> List[List[int]]:
-    out: List[List[int]] = [[] for _ in buddy_lists]
+    """Inverse of :func:`buddies`: for each rank, the sorted owners whose copies it holds."""
+    world = len(buddy_lists)
+    out: List[List[int]] = [[] for _ in range(world)]
     for owner, bs in enumerate(buddy_lists):
         for b in bs:
+            if not 0 <= b < world:
+                raise ValueError(f"rank {owner} has buddy {b}, outside 0..{world - 1}")
             out[b].append(owner)
     return [sorted(x) for x in out]
 
@@ -62,8 +101,14 @@ def holders_of(buddy_lists: Sequence[Sequence[int]]) -> List[List[int]]:
 def received_bytes_per_node(rank_to_node: Sequence[Hashable],
                             buddy_lists: Sequence[Sequence[int]],
                             bytes_per_rank: Sequence[int]) -> Dict[Hashable, int]:
-    out: Dict[Hashable, int] = defaultdict(int)
+    """Bytes of mirror copies each node receives (every node hosting a rank appears, 0 if
+    it receives nothing). ``bytes_per_rank[r]`` is the size of rank r's copy."""
+    world = len(rank_to_node)
+    if len(buddy_lists) != world or len(bytes_per_rank) != world:
+        raise ValueError(f"rank_to_node has {world} ranks but buddy_lists has "
+                         f"{len(buddy_lists)} and bytes_per_rank {len(bytes_per_rank)}")
+    out: Dict[Hashable, int] = {node: 0 for node in rank_to_node}
     for owner, bs in enumerate(buddy_lists):
         for b in bs:
             out[rank_to_node[b]] += bytes_per_rank[owner]
-    return dict(out)
+    return out

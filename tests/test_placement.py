@@ -1,0 +1,164 @@
+"""Buddy placement (megatron_deadpool.mirror.placement): pure, no processes."""
+
+import random
+import time
+
+import pytest
+
+from megatron_deadpool.errors import ConfigError
+from megatron_deadpool.mirror import placement
+
+
+def nodes_of(world, per_node):
+    return [r // per_node for r in range(world)]
+
+
+def check_valid(r2n, b, k):
+    assert len(b) == len(r2n)
+    for r, bs in enumerate(b):
+        assert len(bs) == k, (r, bs)
+        assert all(0 <= x < len(r2n) for x in bs)
+        assert all(r2n[x] != r2n[r] for x in bs), f"rank {r} has a buddy on its own node: {bs}"
+        assert len({r2n[x] for x in bs}) == k, f"rank {r}: buddies not on {k} distinct nodes"
+
+
+EQUAL = [(8, 2, 1), (8, 2, 2), (8, 2, 3), (16, 4, 3), (12, 3, 1), (64, 8, 2), (10, 1, 4)]
+
+
+@pytest.mark.parametrize("world,per_node,k", EQUAL)
+def test_equal_nodes_valid_and_balanced(world, per_node, k):
+    r2n = nodes_of(world, per_node)
+    b = placement.buddies(r2n, k)
+    check_valid(r2n, b, k)
+    assert all(len(h) == k for h in placement.holders_of(b))
+    recv = placement.received_bytes_per_node(r2n, b, [100] * world)
+    assert recv == {n: 100 * k * per_node for n in range(world // per_node)}
+
+
+def test_reference_layout_is_the_node_ring():
+    # 4 nodes x 2 ranks, K=1: node i's j-th rank -> node i+1's j-th rank
+    assert placement.buddies(nodes_of(8, 2), 1) == [[2], [3], [4], [5], [6], [7], [0], [1]]
+    assert placement.buddies(nodes_of(8, 2), 2) == [[2, 4], [3, 5], [4, 6], [5, 7],
+                                                    [6, 0], [7, 1], [0, 2], [1, 3]]
+
+
+def test_holders_is_the_inverse():
+    r2n = nodes_of(24, 4)
+    b = placement.buddies(r2n, 2)
+    h = placement.holders_of(b)
+    for owner in range(24):
+        for holder in range(24):
+            assert (owner in h[holder]) == (holder in b[owner])
+    assert all(x == sorted(x) for x in h)
+    assert placement.holders_of([[1], [0], [0]]) == [[1, 2], [0], []]
+    with pytest.raises(ValueError):
+        placement.holders_of([[5], [0]])
+
+
+def test_deterministic_and_independent_of_node_labels():
+    r2n = nodes_of(32, 4)
+    a = placement.buddies(r2n, 2)
+    assert placement.buddies(list(r2n), 2) == a
+    assert placement.buddies(tuple(f"host-{9 - n}" for n in r2n), 2) == a
+
+
+def test_whole_node_replaced_by_spare():
+    r2n = nodes_of(8, 2)
+    before = placement.buddies(r2n, 1)
+    r2n[2] = r2n[3] = 4  # node 1 died, spare node 4 took ranks 2 and 3
+    b = placement.buddies(r2n, 1)
+    check_valid(r2n, b, 1)
+    assert b == before  # ranks keep their ids: the placement does not move
+    recv = placement.received_bytes_per_node(r2n, b, [7] * 8)
+    assert recv == {0: 14, 4: 14, 2: 14, 3: 14}
+    assert all(len(h) == 1 for h in placement.holders_of(b))
+
+
+def test_single_rank_moves_keep_one_copy_per_rank():
+    r2n = nodes_of(8, 2)
+    r2n[5] = 4  # rank 5 moved alone to spare node 4
+    b = placement.buddies(r2n, 1)
+    check_valid(r2n, b, 1)
+    assert all(len(h) == 1 for h in placement.holders_of(b))
+    r2n[7] = 4  # then rank 7 too: the plain shift 5 -> 7 would stay on node 4
+    b = placement.buddies(r2n, 1)
+    check_valid(r2n, b, 1)
+    assert max(len(h) for h in placement.holders_of(b)) <= 2
+
+
+def test_received_bytes_with_unequal_sizes():
+    r2n = nodes_of(6, 2)  # nodes 0,1,2; K=1 ring 0 -> 1 -> 2 -> 0
+    b = placement.buddies(r2n, 1)
+    recv = placement.received_bytes_per_node(r2n, b, [1, 2, 30, 40, 500, 600])
+    assert recv == {1: 3, 2: 70, 0: 1100}
+    with pytest.raises(ValueError):
+        placement.received_bytes_per_node(r2n, b, [1, 2, 3])
+
+
+def test_node_that_receives_nothing_is_listed_with_zero():
+    r2n = [0, 0, 0, 0, 1]  # node 1's single rank receives, node 0 gets one copy
+    b = placement.buddies(r2n, 1)
+    check_valid(r2n, b, 1)
+    recv = placement.received_bytes_per_node(r2n, b, [1] * 5)
+    assert recv == {0: 1, 1: 4}
+
+
+def test_too_few_nodes():
+    with pytest.raises(ConfigError, match=r"1 replica\(s\) need at least 2 nodes.* has 1 node"):
+        placement.buddies([0, 0, 0], 1)
+    with pytest.raises(ConfigError, match=r"3 replica\(s\) need at least 4 nodes.* has 3 node"):
+        placement.buddies(nodes_of(6, 2), 3)
+    with pytest.raises(ConfigError):
+        placement.buddies([], 1)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1"])
+def test_bad_replicas(bad):
+    with pytest.raises(ConfigError, match="replicas"):
+        placement.buddies(nodes_of(8, 2), bad)
+
+
+UNEVEN = [[0, 0, 0, 1, 2, 2], [0, 1, 1, 1, 1, 2], [0, 0, 1, 0, 1, 2, 3, 3, 3],
+          [5, 5, 5, 5, 5, 5, 5, 9, 7], [0, 1, 0, 1, 2, 2, 0]]
+
+
+@pytest.mark.parametrize("r2n", UNEVEN)
+@pytest.mark.parametrize("k", [1, 2])
+def test_uneven_nodes_never_same_node(r2n, k):
+    check_valid(r2n, placement.buddies(r2n, k), k)
+
+
+def test_random_layouts_always_valid():
+    rng = random.Random(7)
+    for _ in range(300):
+        nodes = rng.randint(2, 9)
+        world = rng.randint(nodes, 40)
+        r2n = [rng.randrange(nodes) for _ in range(world)]
+        r2n[:nodes] = rng.sample(range(nodes), nodes)  # every node hosts a rank
+        rng.shuffle(r2n)
+        k = rng.randint(1, nodes - 1)
+        check_valid(r2n, placement.buddies(r2n, k), k)
+
+
+def test_degenerate_layout_is_fast():
+    # one huge node next to tiny ones: the shift rarely leaves the big node
+    r2n = [0] * 16000 + list(range(1, 385))
+    t0 = time.perf_counter()
+    b = placement.buddies(r2n, 2)
+    assert time.perf_counter() - t0 < 5
+    check_valid(r2n, b, 2)
+
+
+@pytest.mark.parametrize("per_node", [4, 8])
+@pytest.mark.parametrize("k", [1, 2])
+def test_16k_ranks(per_node, k):
+    world = 16384
+    r2n = nodes_of(world, per_node)
+    t0 = time.perf_counter()
+    b = placement.buddies(r2n, k)
+    holders = placement.holders_of(b)
+    recv = placement.received_bytes_per_node(r2n, b, [12] * world)
+    assert time.perf_counter() - t0 < 3
+    check_valid(r2n, b, k)
+    assert all(len(h) == k for h in holders)
+    assert recv == {n: 12 * k * per_node for n in range(world // per_node)}
