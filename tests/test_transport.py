@@ -2,6 +2,7 @@
 
 import os
 import socket
+import time
 import traceback
 
 import pytest
@@ -52,6 +53,11 @@ def _worker(rank, kind, port, errq):
         _conformance(t, rank)
         if kind == "gloo":
             torch.distributed.destroy_process_group()
+        # rank 0 hosts the store: it must outlive everyone's last read
+        store.add("finished", 1)
+        if rank == 0:
+            while store.add("finished", 0) < WORLD:
+                time.sleep(0.01)
         errq.put(None)
     except BaseException:  # noqa: BLE001
         errq.put(traceback.format_exc())
