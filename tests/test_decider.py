@@ -61,17 +61,19 @@ def test_exit_produces_next_generation_plan():
 
 
 def test_stale_heartbeat_is_fenced_then_replaced():
-    d, store, cmds = _decider()
+    d, store, cmds = _decider(hb_timeout=1.0)
     for lid in range(10):
         _join(store, lid)
         _beat(store, lid, 1)
     d.step()
-    for seq in range(2, 12):  # everyone but lid 5 keeps beating
+    for seq in range(2, 60):  # everyone but lid 5 keeps beating
         for lid in range(10):
             if lid != 5:
                 _beat(store, lid, seq)
-        time.sleep(0.1)
+        time.sleep(0.05)
         d.step()
+        if st.current_gen(store) == 1:
+            break
     assert any(c == {"op": "signal", "signal": "SIGKILL", "lids": [5]} for _, c in cmds)
     plan = st.get_json(store, st.k("plan", 1))
     assert plan["failed_ranks"] == [5]
