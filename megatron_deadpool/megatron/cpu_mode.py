@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import types
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -258,7 +257,3 @@ def _patch_megatron_rng() -> None:
         fk.load = lambda *a, **k: None
     except Exception:  # noqa: BLE001 - optional module, absent from the PyPI wheel
         pass
-
-
-def describe() -> types.SimpleNamespace:
-    return types.SimpleNamespace(enabled=is_enabled(), stand_ins=sorted(_cuda_stand_ins()))

@@ -28,7 +28,7 @@ class Proc:
     node: int
     role: str  # active | spare
     rank: Optional[int] = None
-    state: str = "starting"  # starting | admitted | alive | dead | done
+    state: str = "starting"  # starting | alive | dead | done
     hb_seq: int = -1
     hb_change: float = 0.0
     hb_iteration: int = 0
@@ -42,7 +42,6 @@ class DeciderConfig:
     progress_timeout_s: float = 300.0
     heartbeat_interval_s: float = 0.5
     grace_s: float = 0.3
-    startup_grace_s: float = 120.0
 
 
 @dataclass
@@ -67,7 +66,7 @@ class Decider:
         self.failed_reason: Optional[str] = None
         self._last_hb_poll = 0.0
         self._fault_time: Optional[float] = None
-        self._t_start = time.time()
+        self._agent_hb: Dict[int, tuple] = {}  # node -> (last value, when it changed)
 
     # ------------------------------------------------------------------ setup
     def node_of_rank(self) -> List[int]:
@@ -189,8 +188,6 @@ class Decider:
     def _poll_agents(self, now: float) -> None:
         """A node whose agent heartbeat went stale is lost: all its processes are dead (no
         fencing possible; they can never rejoin since no plan names them again)."""
-        if not hasattr(self, "_agent_hb"):
-            self._agent_hb: Dict[int, tuple] = {}
         for node in sorted({p.node for p in self.procs.values()}):
             key = st.k("agent_hb", node)
             if not self.store.check([key]):
@@ -201,7 +198,7 @@ class Decider:
                 self._agent_hb[node] = (val, now)
             elif now - last[1] > self.config.heartbeat_timeout_s:
                 for p in self.procs.values():
-                    if p.node == node and p.state in ("alive", "starting", "admitted"):
+                    if p.node == node and p.state in ("alive", "starting"):
                         self._declare_dead(p, f"node {node} lost (agent heartbeat stale for "
                                               f"{now - last[1]:.1f}s)", last[1])
 

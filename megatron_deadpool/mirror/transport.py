@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 from datetime import timedelta
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -135,12 +135,3 @@ class StoreTransport(MirrorTransport):
         vals = self._gather("gather", str(int(value)))
         self._round += 1
         return [int(v) for v in vals]
-
-
-def make_transport(kind: str, timeout_s: float, store=None, rank: Optional[int] = None,
-                   world_size: Optional[int] = None, tag: str = "mirror") -> MirrorTransport:
-    if kind == "gloo":
-        return GlooTransport(timeout_s=timeout_s)
-    if kind == "store":
-        return StoreTransport(store, rank, world_size, tag=tag, timeout_s=timeout_s)
-    raise ValueError(f"unknown mirror transport {kind!r} (gloo|store)")

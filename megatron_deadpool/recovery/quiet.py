@@ -10,8 +10,6 @@ collectives are local no-ops. Group creation (``new_group``) is untouched.
 
 from __future__ import annotations
 
-import contextlib
-
 NAMES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
          "reduce_scatter_tensor", "_all_gather_base", "_reduce_scatter_base", "barrier",
          "reduce", "all_gather_object", "broadcast_object_list")
@@ -59,11 +57,3 @@ class CollectiveSuppressor:
         for n, fn in self._saved.items():
             setattr(dist, n, fn)
         self._saved.clear()
-
-    @contextlib.contextmanager
-    def active(self):
-        self.start()
-        try:
-            yield self
-        finally:
-            self.stop()
