@@ -10,7 +10,7 @@ callers of exactly these methods:
     loop:
         try:
             ... train step ...   (optimizer.step is wrapped: waits for the in-flight snapshot)
-            dp.after_step(state.iteration)
+            dp.after_step(state.iteration, loss=loss)   # loss: recorded on the last rank
         except Exception as exc:     # the one recovery boundary
             dp.recover(exc)          # restores state.iteration etc.; re-raises if not a failure
     dp.finish(model, optimizer)      # fingerprint + results
@@ -47,6 +47,8 @@ class Deadpool:
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self._mp_kwargs: Optional[dict] = None
         self._runtime = None  # the enabled runtime (membership, mirror, recovery)
+        self.results_dir = os.environ.get("DEADPOOL_RESULTS_DIR")
+        self._loss_log = None
 
     # ------------------------------------------------------------------ setup
     @classmethod
@@ -88,9 +90,26 @@ class Deadpool:
         if self._runtime is not None:
             self._runtime.fault_point(iteration, phase)
 
-    def after_step(self, iteration: int) -> None:
+    def after_step(self, iteration: int, loss: Optional[float] = None) -> None:
+        """Call after every completed iteration: starts the snapshot of its state and, on the
+        last rank, appends ``loss`` to the results' loss log (read by the launch summary)."""
         if self._runtime is not None:
             self._runtime.after_step(iteration)
+        if loss is not None and self.results_dir and self.rank == self.world_size - 1:
+            if self._loss_log is None:
+                self._loss_log = open(os.path.join(self.results_dir, "losses.jsonl"), "a")
+            self._loss_log.write(json.dumps({"iteration": iteration, "loss": loss}) + "\n")
+            self._loss_log.flush()
+
+    @property
+    def promoted(self) -> bool:
+        """True in a spare process that took a dead rank's id (it walks startup alone)."""
+        return self._runtime is not None and self._runtime._joined_as_spare
+
+    @property
+    def restored_meta(self) -> Optional[dict]:
+        """The snapshot metadata of the last restore (RNG, counters), or None."""
+        return self._runtime.restored_meta if self._runtime is not None else None
 
     def recover(self, exc: BaseException) -> None:
         if self._runtime is None:
@@ -112,6 +131,9 @@ class Deadpool:
         from .recovery.abort import destroy_world
 
         destroy_world()
+        results_dir = results_dir or self.results_dir
+        if self._loss_log is not None:
+            self._loss_log.close()
         if results_dir:
             with open(os.path.join(results_dir, f"rank{self.rank}.json"), "w") as f:
                 json.dump({"rank": self.rank, "digest": digest, "final_state_sha256": combined,

@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--script", default=None, metavar="PATH",
                     help="entry point to run instead of the reference trainer "
                          "(e.g. Megatron-LM's pretrain_gpt.py)")
+    lp.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                    help="cpu: CPU mode (with --script: the package's CPU mode, gloo and the "
+                         "CPU-only Megatron-LM flags the README lists); default: the "
+                         "trainer's own choice")
     lp.add_argument("--inject", action="append", default=[], metavar="SPEC",
                     help="fault to inject, repeatable: kill:node=1@iter=12, "
                          "kill:rank=5@iter=7,phase=optimizer, stop:rank=3@iter=9")
@@ -90,7 +94,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 spare_nodes=args.spare_nodes, node_rank=args.node_rank,
                 master_addr=args.master_addr, master_port=args.master_port,
                 summary_json=args.summary_json, script=args.script, inject=args.inject,
-                results_dir=args.results_dir, trainer_argv=rest)
+                results_dir=args.results_dir, trainer_argv=rest, device=args.device)
             summary = run(opts)
             if summary["ok"]:
                 print(f"[launch] completed {summary['completed_iters']} iterations; "

@@ -9,22 +9,19 @@ thread, wherever it is blocked, reaches the one recovery boundary (``recover``).
 
 from __future__ import annotations
 
-import gc
 import json
 import os
-import random
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Dict, List, Optional
-
-import torch
+from typing import List, Optional
 
 from .config import DeadpoolConfig
 from .errors import (DeadpoolError, NoCommittedStateError, NoSpareError, RebindAuditError,
                      StaleGenerationError)
 from .launch import inject
 from .megatron import shard
+from .megatron import state as train_state_io
 from .megatron.support import check_supported
 from .membership import store as st
 from .mirror import placement
@@ -44,14 +41,6 @@ def _env(name: str, default: Optional[str] = None) -> str:
         raise DeadpoolError(f"--deadpool needs {name} in the environment: start the job with "
                             "`deadpool launch`")
     return v
-
-
-def _to_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def _from_bytes(b: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
 
 
 def _drop_traceback(exc: BaseException) -> None:
@@ -94,6 +83,7 @@ class Runtime:
         self._shutdown_reason: Optional[str] = None
         self._first_step: Optional[tuple] = None
         self._joined_as_spare = False
+        self.restored_meta: Optional[dict] = None
         # Benchmark only (`deadpool bench overhead`): snapshot in alternating blocks of this
         # many iterations, so mirror-on and mirror-off steps are measured in one job.
         self._bench_block = int(os.environ.get("DEADPOOL_BENCH_BLOCK", "0"))
@@ -279,49 +269,13 @@ class Runtime:
             self.recoveries.append(report)
 
     def _meta(self, iteration: int) -> dict:
-        import numpy as np
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-        # Tensors are stored as raw bytes: pickling torch tensors goes through torch.save and
-        # costs milliseconds per step on the mirror thread.
-        rng = {"python": random.getstate(), "numpy": np.random.get_state(),
-               "torch": _to_bytes(torch.get_rng_state()),
-               "tracker": {k: _to_bytes(v) for k, v in
-                           get_cuda_rng_tracker().get_states().items()}}
-        if self.h.device.type == "cuda":
-            rng["cuda"] = _to_bytes(torch.cuda.get_rng_state())
-        meta: Dict[str, Any] = {
-            "iteration": iteration,
-            "consumed_train_samples": int(self.train_state.consumed_train_samples),
-            "rng": rng,
-        }
-        if self.scheduler is not None:
-            meta["scheduler_num_steps"] = int(self.scheduler.num_steps)
-        scaler = getattr(self.optimizer, "grad_scaler", None)
-        if scaler is not None and hasattr(scaler, "state_dict"):
-            meta["grad_scaler"] = scaler.state_dict()
-        return meta
+        return train_state_io.capture(iteration, self.train_state, self.scheduler,
+                                      self.optimizer, with_cuda=self.h.device.type == "cuda")
 
     def _apply_meta(self, meta: dict) -> None:
-        import numpy as np
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-        self.train_state.iteration = meta["iteration"]
-        self.train_state.consumed_train_samples = meta["consumed_train_samples"]
-        if self.scheduler is not None and "scheduler_num_steps" in meta:
-            self.scheduler.num_steps = meta["scheduler_num_steps"]
-            self.scheduler.step(increment=0)
-        scaler = getattr(self.optimizer, "grad_scaler", None)
-        if scaler is not None and "grad_scaler" in meta:
-            scaler.load_state_dict(meta["grad_scaler"])
-        rng = meta["rng"]
-        get_cuda_rng_tracker().set_states({k: _from_bytes(v) for k, v in rng["tracker"].items()})
-        if "cuda" in rng:
-            torch.cuda.set_rng_state(_from_bytes(rng["cuda"]))
-        torch.set_rng_state(_from_bytes(rng["torch"]))
-        np.random.set_state(rng["numpy"])
-        random.setstate(rng["python"])
+        train_state_io.apply(meta, self.train_state, self.scheduler, self.optimizer)
         self.iteration = meta["iteration"]
+        self.restored_meta = meta
 
     # ================================================================ recovery
     def recover(self, exc: BaseException) -> None:

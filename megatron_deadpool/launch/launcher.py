@@ -41,6 +41,8 @@ class LaunchOptions:
     results_dir: Optional[str] = None
     trainer_argv: List[str] = field(default_factory=list)
     quiet: bool = False
+    device: Optional[str] = None  # cpu | cuda; None: the trainer's own default
+
 
     def __post_init__(self):
         if self.nodes < 1 or self.procs_per_node < 1:
@@ -50,6 +52,8 @@ class LaunchOptions:
         total = self.nodes + self.spare_nodes
         if self.node_rank is not None and not 0 <= self.node_rank < total:
             raise ConfigError(f"--node-rank {self.node_rank} is outside 0..{total - 1}")
+        if self.device not in (None, "cpu", "cuda"):
+            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
 
     @property
     def world_size(self) -> int:
@@ -79,7 +83,14 @@ def validate(opts: LaunchOptions):
     else:
         if not os.path.exists(opts.script):
             raise ConfigError(f"--script {opts.script} does not exist")
-        cfg, train_iters = _deadpool_config(opts.trainer_argv), None
+        cfg, train_iters = _deadpool_config(opts.trainer_argv), _flag_int(
+            opts.trainer_argv, "--train-iters")
+    if opts.script is not None and cfg.enabled:
+        from ..megatron import tree
+
+        root = os.path.dirname(os.path.abspath(opts.script))
+        if tree.is_megatron_tree(root):
+            tree.check_for_deadpool(root)
     faults = inject.parse_schedule(opts.inject)
     if faults and not cfg.enabled:
         raise ConfigError("--inject needs --deadpool in the trainer flags")
@@ -91,6 +102,36 @@ def validate(opts: LaunchOptions):
         raise ConfigError(f"--deadpool-replicas {cfg.replicas} needs at least "
                           f"{cfg.replicas + 1} nodes (got --nodes {opts.nodes})")
     return cfg, faults
+
+
+def _flag_int(argv: List[str], flag: str) -> Optional[int]:
+    for i, x in enumerate(argv[:-1]):
+        if x == flag:
+            try:
+                return int(argv[i + 1])
+            except ValueError:
+                raise ConfigError(f"{flag} needs an integer, got {argv[i + 1]!r}") from None
+    return None
+
+
+def worker_command(opts: LaunchOptions) -> List[str]:
+    """The worker's command line. The reference trainer runs as a module; ``--script`` runs
+    through the child wrapper (``launch/child.py``), which in CPU mode gets the CPU-only
+    Megatron-LM flags that are missing (``megatron.lm.CPU_FLAGS``)."""
+    if opts.script is None:
+        argv = list(opts.trainer_argv)
+        if opts.device and "--device" not in argv:
+            argv += ["--device", opts.device]
+        return [sys.executable, "-m", "megatron_deadpool.trainer.gpt", *argv]
+    from ..megatron import lm
+
+    cmd = [sys.executable, "-m", "megatron_deadpool.launch.child"]
+    argv = list(opts.trainer_argv)
+    if opts.device:
+        cmd += ["--device", opts.device]
+    if opts.device == "cpu":
+        argv = lm.cpu_flags(argv)
+    return [*cmd, os.path.abspath(opts.script), *argv]
 
 
 def worker_specs(opts: LaunchOptions, with_spares: bool) -> List[WorkerSpec]:
@@ -135,9 +176,11 @@ def run(opts: LaunchOptions, out=sys.stdout) -> dict:
         "PYTHONUNBUFFERED": "1",
     })
     if opts.script:
-        argv = [sys.executable, opts.script, *opts.trainer_argv]
-    else:
-        argv = [sys.executable, "-m", "megatron_deadpool.trainer.gpt", *opts.trainer_argv]
+        from ..megatron import tree
+
+        base_env.update(tree.prepare(os.path.dirname(os.path.abspath(opts.script)),
+                                     cpu=opts.device == "cpu", log=say))
+    argv = worker_command(opts)
 
     prefix = {s.lid: (f"n{s.node} r{s.rank}" if s.rank is not None else f"n{s.node} spare{s.lid}")
               for s in specs}

@@ -7,7 +7,6 @@ Bitwise deterministic on CPU: the same flags give the same final state fingerpri
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -170,11 +169,6 @@ def main(argv=None) -> int:
     state = SimpleNamespace(iteration=0, consumed_train_samples=0)
     deadpool.attach(model=model, optimizer=optimizer, scheduler=scheduler, train_state=state)
 
-    rank, ws = deadpool.rank, deadpool.world_size
-    is_logger = rank == ws - 1
-    results_dir = os.environ.get("DEADPOOL_RESULTS_DIR")
-    loss_log = open(os.path.join(results_dir, "losses.jsonl"), "a") if (
-        results_dir and is_logger) else None
     t_last = time.time()
     step_s = []
     while state.iteration < args.train_iters:
@@ -183,29 +177,24 @@ def main(argv=None) -> int:
                                          deadpool)
             state.iteration += 1
             state.consumed_train_samples += args.global_batch_size
-            deadpool.after_step(state.iteration)
+            deadpool.after_step(state.iteration, loss=loss)
         except Exception as exc:  # the one recovery boundary
             deadpool.recover(exc)  # re-raises when this is not a recoverable failure
-            is_logger = deadpool.rank == deadpool.world_size - 1
-            if results_dir and is_logger and loss_log is None:
-                loss_log = open(os.path.join(results_dir, "losses.jsonl"), "a")
             t_last = time.time()
             continue
         now = time.time()
         step_s.append(now - t_last)
-        if is_logger and state.iteration % args.log_interval == 0:
+        if loss is not None and state.iteration % args.log_interval == 0 and (
+                deadpool.rank == deadpool.world_size - 1):
             lr = optimizer.param_groups[0]["lr"]
             _log(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {state.iteration:8d}/"
                  f"{args.train_iters:8d} | consumed samples: {state.consumed_train_samples:12d} |"
                  f" elapsed time per iteration (ms): {(now - t_last) * 1000:.1f} |"
                  f" learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d} |"
                  f" lm loss: {loss:.6E} | grad norm: {float(grad_norm):.3f} |")
-        if loss_log is not None:
-            loss_log.write(json.dumps({"iteration": state.iteration, "loss": loss}) + "\n")
-            loss_log.flush()
         t_last = now
 
-    digest = deadpool.finish(model, optimizer, results_dir=results_dir,
+    digest = deadpool.finish(model, optimizer,
                              extra={"step_s": step_s, "iteration": state.iteration})
     if deadpool.rank == 0:
         _log(f"final_state_sha256 {digest}")

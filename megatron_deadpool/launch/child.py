@@ -1,0 +1,53 @@
+"""Worker entry point for ``deadpool launch --script``: prepares the process, then runs the
+script as ``__main__`` in this same interpreter.
+
+    python -m megatron_deadpool.launch.child [--device cpu|cuda] SCRIPT [script flags...]
+
+* The script's folder goes first on ``sys.path``, so a Megatron-LM tree's own ``megatron``
+  package wins over an installed ``megatron-core`` (``megatron`` is a namespace package).
+* ``--device cpu`` switches the package's CPU mode on before Megatron builds anything, with
+  one intra-op thread and deterministic algorithms, so runs are bitwise reproducible.
+* Under ``deadpool launch`` (``DEADPOOL_RESULTS_DIR`` set), after the script returns,
+  ``lm.finish()`` writes this rank's state fingerprint and results, as the reference trainer
+  does, for the patched script and for an unpatched one alike.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from typing import List, Optional
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    device = None
+    if argv[:1] == ["--device"]:
+        device, argv = argv[1], argv[2:]
+    if not argv:
+        raise SystemExit("usage: python -m megatron_deadpool.launch.child "
+                         "[--device cpu|cuda] SCRIPT [flags...]")
+    script = os.path.abspath(argv[0])
+    sys.path.insert(0, os.path.dirname(script))
+    if device == "cpu":
+        import torch
+
+        from ..megatron import cpu_mode
+
+        cpu_mode.enable()
+        torch.set_num_threads(1)
+        torch.use_deterministic_algorithms(True)
+    from megatron.training import training
+
+    from ..megatron import lm
+
+    lm.capture_setup(training)
+    sys.argv = [script, *argv[1:]]
+    runpy.run_path(script, run_name="__main__")
+    if lm.results_dir():
+        lm.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Capture and re-apply everything a rank needs to resume besides its tensors: RNG states
+(python, numpy, torch, CUDA, megatron's tracker), the training counters, the scheduler and
+the grad scaler. Used by the mirror (snapshot metadata) and by restore.
+
+The training state is any object with ``iteration`` and ``consumed_train_samples``; one that
+also has ``extra_state() -> dict`` and ``load_extra_state(dict)`` carries more (the Megatron-LM
+integration keeps validation samples, FLOPs and the do_* flags there).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Dict
+
+import torch
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _from_bytes(b: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
+
+
+def capture_rng(with_cuda: bool) -> dict:
+    """Every generator a training step draws from. Tensors go in as raw bytes: pickling
+    torch tensors costs milliseconds per step on the mirror thread."""
+    import numpy as np
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(),
+           "torch": _to_bytes(torch.get_rng_state()),
+           "tracker": {k: _to_bytes(v) for k, v in get_cuda_rng_tracker().get_states().items()}}
+    if with_cuda:
+        rng["cuda"] = _to_bytes(torch.cuda.get_rng_state())
+    return rng
+
+
+def apply_rng(rng: dict) -> None:
+    import numpy as np
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    get_cuda_rng_tracker().set_states({k: _from_bytes(v) for k, v in rng["tracker"].items()})
+    if "cuda" in rng:
+        torch.cuda.set_rng_state(_from_bytes(rng["cuda"]))
+    torch.set_rng_state(_from_bytes(rng["torch"]))
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+
+
+def capture(iteration: int, train_state, scheduler, optimizer, with_cuda: bool) -> dict:
+    meta: Dict[str, Any] = {
+        "iteration": iteration,
+        "consumed_train_samples": int(train_state.consumed_train_samples),
+        "rng": capture_rng(with_cuda),
+    }
+    if hasattr(train_state, "extra_state"):
+        meta["extra"] = train_state.extra_state()
+    if scheduler is not None:
+        meta["scheduler_num_steps"] = int(scheduler.num_steps)
+    scaler = getattr(optimizer, "grad_scaler", None)
+    if scaler is not None and hasattr(scaler, "state_dict"):
+        meta["grad_scaler"] = scaler.state_dict()
+    return meta
+
+
+def apply(meta: dict, train_state, scheduler, optimizer) -> None:
+    train_state.iteration = meta["iteration"]
+    train_state.consumed_train_samples = meta["consumed_train_samples"]
+    if "extra" in meta and hasattr(train_state, "load_extra_state"):
+        train_state.load_extra_state(meta["extra"])
+    if scheduler is not None and "scheduler_num_steps" in meta:
+        scheduler.num_steps = meta["scheduler_num_steps"]
+        scheduler.step(increment=0)
+    scaler = getattr(optimizer, "grad_scaler", None)
+    if scaler is not None and "grad_scaler" in meta:
+        scaler.load_state_dict(meta["grad_scaler"])
+    apply_rng(meta["rng"])
