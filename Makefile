@@ -11,7 +11,7 @@ $(VENV)/.installed: setup.py pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -U pip
 	# torch==2.13.0 first: on CPU machines it resolves to the local CPU build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,megatron-lm]"
 	touch $@
 
 venv: $(VENV)/.installed

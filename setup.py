@@ -19,6 +19,10 @@ setup(
     install_requires=["torch", "megatron-core==0.16.1", "numpy"],
     extras_require={
         "test": ["pytest>=7"],
+        # What Megatron-LM's own training code (pretrain_gpt.py, megatron/training) imports
+        # beyond megatron-core; pybind11 builds its dataset helper when no prebuilt one fits.
+        "megatron-lm": ["six", "regex", "pyyaml", "einops", "tqdm", "pydantic", "pybind11",
+                        "triton"],
         # apex is a source install: see README "GPU extras".
         "gpu": ["transformer-engine[pytorch]"],
     },

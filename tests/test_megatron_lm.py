@@ -1,0 +1,151 @@
+"""The patch series and its script on a real core_v0.16.1 tree (fast), plus the pure rules of
+the Megatron-LM integration (compatibility refusals, CPU flags, tree checks)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_deadpool.errors import ConfigError
+from megatron_deadpool.megatron import lm, tree
+from mlm import REPO, apply_patches, pristine_tree
+
+PATCHES = sorted((REPO / "patches").glob("[0-9][0-9][0-9][0-9]-*.patch"))
+
+
+@pytest.fixture
+def mlm_tree(tmp_path):
+    return pristine_tree(tmp_path)
+
+
+def test_apply_idempotent_and_reverse(mlm_tree):
+    assert not tree.is_patched(str(mlm_tree))
+    before = {p: p.read_bytes() for p in (mlm_tree / "megatron" / "training").glob("*.py")}
+    r = apply_patches(mlm_tree)
+    assert r.returncode == 0, r.stderr
+    assert "applied 3 patch(es)" in r.stdout
+    assert tree.is_patched(str(mlm_tree))
+    r = apply_patches(mlm_tree)
+    assert r.returncode == 0 and "already applied" in r.stdout, r.stdout + r.stderr
+    r = apply_patches(mlm_tree, "--reverse")
+    assert r.returncode == 0 and "removed" in r.stdout, r.stderr
+    after = {p: p.read_bytes() for p in (mlm_tree / "megatron" / "training").glob("*.py")}
+    assert after == before  # byte-identical to the tag again
+    assert not tree.is_patched(str(mlm_tree))
+
+
+def test_refuses_an_edited_training_py(mlm_tree):
+    f = mlm_tree / "megatron" / "training" / "training.py"
+    f.write_text(f.read_text() + "\n# a local edit\n")
+    r = apply_patches(mlm_tree)
+    assert r.returncode == 2
+    assert "megatron/training/training.py" in r.stderr and "differs" in r.stderr
+    assert not tree.is_patched(str(mlm_tree))
+
+
+def test_refuses_a_git_checkout_at_another_commit(mlm_tree):
+    git = ["git", "-C", str(mlm_tree), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git[:3], "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "not the tag"], check=True)
+    r = apply_patches(mlm_tree)
+    assert r.returncode == 2 and "not tag core_v0.16.1" in r.stderr, r.stderr
+
+
+def test_refuses_a_non_tree(tmp_path):
+    r = apply_patches(tmp_path)
+    assert r.returncode == 2 and "not a Megatron-LM tree" in r.stderr
+
+
+def test_patch_series_is_small_and_only_calls_the_package():
+    added = 0
+    for p in PATCHES:
+        text = p.read_text()
+        for hunk in re.split(r"^@@.*@@.*$", text, flags=re.M)[1:]:
+            plus = [x for x in hunk.splitlines() if x.startswith("+") and not x.startswith("+++")]
+            added += len(plus)
+            assert any("deadpool_lm" in x for x in plus), f"{p.name}: a hunk without a call " \
+                f"into megatron_deadpool:\n{hunk}"
+    assert 0 < added <= 150
+    readme = (REPO / "README.md").read_text()
+    assert f"adds {added} lines" in readme  # the README states the count
+
+
+def test_tree_checks(mlm_tree):
+    root = str(mlm_tree)
+    assert tree.is_megatron_tree(root) and tree.version(root) == "0.16.1"
+    with pytest.raises(ConfigError, match="not patched"):
+        tree.check_for_deadpool(root)
+    info = mlm_tree / "megatron" / "core" / "package_info.py"
+    info.write_text(info.read_text().replace("MINOR = 16", "MINOR = 17"))
+    with pytest.raises(ConfigError, match="0.17.1"):
+        tree.check_for_deadpool(root)
+
+
+def test_dataset_helper_built_once_per_tree(mlm_tree):
+    logs = []
+    path = tree.build_dataset_helper(str(mlm_tree), logs.append)
+    assert path.endswith(tree.ext_suffix()) and len(logs) == 1
+    assert tree.build_dataset_helper(str(mlm_tree), logs.append) == path
+    assert len(logs) == 1  # second call: already there, nothing done
+
+
+# ------------------------------------------------------------------ pure rules
+def _args(**kw):
+    base = dict(use_distributed_optimizer=True, virtual_pipeline_model_parallel_size=None,
+                context_parallel_size=1, expert_model_parallel_size=1,
+                num_distributed_optimizer_instances=1, rampup_batch_size=None,
+                dataloader_type="single", yaml_cfg=None, cuda_graph_impl="none",
+                non_persistent_ckpt_type=None)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_supported_config_passes():
+    assert lm.unsupported_args(_args()) == []
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(inprocess_restart=True), "--inprocess-restart"),
+    (dict(enable_ft_package=True), "--enable-ft-package"),
+    (dict(use_distributed_optimizer=False), "--use-distributed-optimizer"),
+    (dict(overlap_grad_reduce=True), "--overlap-grad-reduce"),
+    (dict(overlap_param_gather=True), "--overlap-param-gather"),
+    (dict(async_save=True), "--async-save"),
+    (dict(non_persistent_ckpt_type="local"), "--non-persistent-ckpt-type local"),
+    (dict(virtual_pipeline_model_parallel_size=2), "virtual pipeline"),
+    (dict(context_parallel_size=2), "--context-parallel-size"),
+    (dict(expert_model_parallel_size=2), "--expert-model-parallel-size"),
+    (dict(num_distributed_optimizer_instances=2), "--num-distributed-optimizer-instances"),
+    (dict(rampup_batch_size=["16", "16", "100"]), "--rampup-batch-size"),
+    (dict(tp_comm_overlap=True), "--tp-comm-overlap"),
+    (dict(cuda_graph_impl="local"), "CUDA graphs"),
+    (dict(nccl_ub=True), "--use-nccl-ub"),
+    (dict(use_megatron_fsdp=True), "--use-megatron-fsdp"),
+    (dict(use_torch_fsdp2=True), "--use-torch-fsdp2"),
+    (dict(dataloader_type="external"), "--dataloader-type external"),
+])
+def test_each_refusal_names_its_flag(kw, needle):
+    found = lm.unsupported_args(_args(**kw))
+    assert len(found) == 1 and needle in found[0], found
+
+
+def test_megatron_version_rule():
+    lm.check_megatron_version("0.16.1")
+    with pytest.raises(ConfigError, match="core_v0.16.1"):
+        lm.check_megatron_version("0.15.0")
+
+
+def test_cpu_flags_added_only_when_missing():
+    out = lm.cpu_flags(["--num-layers", "2", "--transformer-impl", "transformer_engine",
+                        "--num-workers=2"])
+    assert out[:4] == ["--num-layers", "2", "--transformer-impl", "transformer_engine"]
+    assert out.count("--transformer-impl") == 1 and "--num-workers" not in out
+    for flag in ("--distributed-backend", "--no-gradient-accumulation-fusion",
+                 "--no-rope-fusion", "--eval-iters"):
+        assert flag in out
+    full = lm.cpu_flags([])
+    assert lm.cpu_flags(full) == full  # idempotent
