@@ -149,3 +149,29 @@ def test_cpu_flags_added_only_when_missing():
         assert flag in out
     full = lm.cpu_flags([])
     assert lm.cpu_flags(full) == full  # idempotent
+
+
+def test_unsupported_argv_matches_the_parsed_rules():
+    assert lm.unsupported_argv(["--use-distributed-optimizer", "--num-layers", "2"]) == []
+    assert lm.unsupported_argv([]) == [lm.unsupported_args(_args(
+        use_distributed_optimizer=False))[0]]
+    bad = lm.unsupported_argv(["--use-distributed-optimizer", "--overlap-grad-reduce",
+                               "--num-layers-per-virtual-pipeline-stage", "2",
+                               "--context-parallel-size", "2"])
+    assert len(bad) == 3 and "virtual pipeline" in bad[1]
+
+
+def test_launch_refuses_before_any_worker_starts(mlm_tree, tmp_path):
+    from conftest import deadpool
+
+    script = str(mlm_tree / "pretrain_gpt.py")
+    flags = ["--use-distributed-optimizer", "--deadpool"]
+    launch = ["launch", "--nodes", "2", "--procs-per-node", "1", "--device", "cpu",
+              "--script", script, "--"]
+    p = deadpool(launch + flags, cwd=tmp_path, timeout=60)
+    assert p.returncode == 2 and "not patched" in p.stderr and "apply_patches.sh" in p.stderr
+    assert apply_patches(mlm_tree).returncode == 0
+    p = deadpool(launch + flags + ["--overlap-grad-reduce"], cwd=tmp_path, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert "does not support: --overlap-grad-reduce" in p.stderr
+    assert "Traceback" not in p.stderr

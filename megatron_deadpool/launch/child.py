@@ -43,8 +43,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     from ..megatron import lm
 
     lm.capture_setup(training)
+    from ..errors import DeadpoolError
+
     sys.argv = [script, *argv[1:]]
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except DeadpoolError as exc:  # a refused configuration: one line, not a traceback
+        print(f"deadpool: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     if lm.results_dir():
         lm.finish()
 

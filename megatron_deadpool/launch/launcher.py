@@ -91,6 +91,12 @@ def validate(opts: LaunchOptions):
         root = os.path.dirname(os.path.abspath(opts.script))
         if tree.is_megatron_tree(root):
             tree.check_for_deadpool(root)
+            from ..errors import UnsupportedConfigError
+            from ..megatron.lm import unsupported_argv
+
+            bad = unsupported_argv(opts.trainer_argv)
+            if bad:
+                raise UnsupportedConfigError("--deadpool does not support: " + "; ".join(bad))
     faults = inject.parse_schedule(opts.inject)
     if faults and not cfg.enabled:
         raise ConfigError("--inject needs --deadpool in the trainer flags")

@@ -77,6 +77,34 @@ def unsupported_args(args) -> List[str]:
     return [why for bad, why in rules if bad]
 
 
+def unsupported_argv(argv: List[str]) -> List[str]:
+    """``unsupported_args`` on a raw Megatron-LM command line, for ``deadpool launch`` to
+    refuse before any worker starts (the workers check the fully parsed arguments again)."""
+    import argparse
+
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flag in ("--inprocess-restart", "--enable-ft-package", "--use-distributed-optimizer",
+                 "--overlap-grad-reduce", "--overlap-param-gather", "--async-save",
+                 "--perform-rl-step", "--hybrid-context-parallel", "--fake-process-group",
+                 "--multiple-validation-sets", "--tp-comm-overlap", "--use-megatron-fsdp",
+                 "--use-torch-fsdp2"):
+        p.add_argument(flag, action="store_true")
+    p.add_argument("--use-nccl-ub", action="store_true", dest="nccl_ub")
+    for flag in ("--context-parallel-size", "--expert-model-parallel-size",
+                 "--num-distributed-optimizer-instances"):
+        p.add_argument(flag, type=int, default=1)
+    for flag in ("--non-persistent-ckpt-type", "--dataloader-type", "--yaml-cfg",
+                 "--cuda-graph-impl", "--num-layers-per-virtual-pipeline-stage",
+                 "--num-virtual-stages-per-pipeline-rank"):
+        p.add_argument(flag, default=None)
+    p.add_argument("--rampup-batch-size", nargs="*", default=None)
+    p.add_argument("--phase-transition-iterations", default=None)
+    ns, _ = p.parse_known_args(argv)
+    ns.virtual_pipeline_model_parallel_size = (
+        ns.num_layers_per_virtual_pipeline_stage or ns.num_virtual_stages_per_pipeline_rank)
+    return unsupported_args(ns)
+
+
 def check_megatron_version(version: str) -> None:
     if version not in SUPPORTED_MEGATRON:
         raise ConfigError(
