@@ -9,11 +9,13 @@ callers of exactly these methods:
          # a promoted spare returns from attach already restored to the committed iteration
     loop:
         try:
+            dp.before_step(state.iteration)         # first call: commits the initial state
             ... train step ...   (optimizer.step is wrapped: waits for the in-flight snapshot)
             dp.after_step(state.iteration, loss=loss)   # loss: recorded on the last rank
         except Exception as exc:     # the one recovery boundary
             dp.recover(exc)          # restores state.iteration etc.; re-raises if not a failure
     dp.finish(model, optimizer)      # fingerprint + results
+    dp.shutdown(exc)                 # on an error path: report it, free communicators
 
 With ``config.enabled`` False every call degrades to plain torch.distributed/megatron setup.
 """
@@ -86,9 +88,11 @@ class Deadpool:
             self._runtime.attach(model, optimizer, scheduler, train_state)
 
     # ------------------------------------------------------------------ loop
-    def fault_point(self, iteration: int, phase: str) -> None:
+    def before_step(self, iteration: int) -> None:
+        """Call at the top of every loop iteration, ``iteration`` steps being done. The
+        first call of a fresh job commits the initial state (iteration 0)."""
         if self._runtime is not None:
-            self._runtime.fault_point(iteration, phase)
+            self._runtime.before_step(iteration)
 
     def after_step(self, iteration: int, loss: Optional[float] = None) -> None:
         """Call after every completed iteration: starts the snapshot of its state and, on the
@@ -117,6 +121,19 @@ class Deadpool:
         self._runtime.recover(exc)
 
     # ------------------------------------------------------------------ end
+    def shutdown(self, exc: Optional[BaseException] = None) -> None:
+        """Leave the job on an error path (idempotent): report ``exc`` to the coordinator
+        (the job stops with it; no spare is spent on a local error), stop the threads and
+        free the communicators, so the process exits cleanly."""
+        if self._runtime is not None:
+            if exc is not None and not (isinstance(exc, SystemExit) and not exc.code):
+                self._runtime.report_fatal(exc)
+            self._runtime.close()
+        else:
+            from .recovery.abort import destroy_world
+
+            destroy_world()
+
     def finish(self, model, optimizer, results_dir: Optional[str] = None,
                extra: Optional[dict] = None) -> str:
         import torch.distributed as dist

@@ -29,10 +29,10 @@ from .mirror.mirror import Mirror, MirrorError, lower_thread_priority, native_th
 from .mirror.transport import GlooTransport
 from .recovery import abort as ab
 from .recovery.phases import EventSink, Phase, PhaseTimer
+from .recovery.classify import is_peer_failure
 from .recovery.quiet import CollectiveSuppressor
 from .recovery.rebind import GroupSlots, heap_audit, weak_groups
 
-RECOVERABLE = (RuntimeError, ConnectionError, OSError, MirrorError)
 
 
 def _env(name: str, default: Optional[str] = None) -> str:
@@ -84,6 +84,10 @@ class Runtime:
         self._first_step: Optional[tuple] = None
         self._joined_as_spare = False
         self.restored_meta: Optional[dict] = None
+        self._initial_commit_pending = False
+        self._aborted = False
+        self._watcher: Optional[threading.Thread] = None
+        self._closed = False
         # Benchmark only (`deadpool bench overhead`): snapshot in alternating blocks of this
         # many iterations, so mirror-on and mirror-off steps are measured in one job.
         self._bench_block = int(os.environ.get("DEADPOOL_BENCH_BLOCK", "0"))
@@ -92,7 +96,9 @@ class Runtime:
     # ================================================================ membership
     def join(self) -> None:
         st.request_admission(self.store, self.lid, self.token, self.config.rendezvous_timeout_s)
-        threading.Thread(target=self._watch, name="deadpool-watcher", daemon=True).start()
+        self._watcher = threading.Thread(target=self._watch, name="deadpool-watcher",
+                                         daemon=True)
+        self._watcher.start()
         if self.role == "spare":
             self._log(f"standby spare on node {self.node}: waiting for an assignment")
             plan = self._wait_for_plan(min_gen=1, exc=None, spare=True)
@@ -128,6 +134,7 @@ class Runtime:
                                 **kwargs)
         with self._lock:
             self._live_gen = self.gen
+            self._aborted = False
 
     def _watch(self) -> None:
         """Heartbeat + generation watch. Aborts communicators when the generation moves on."""
@@ -162,6 +169,7 @@ class Runtime:
             if self._live_gen is None:
                 return
             info = ab.abort_communicators(self.h.backend, self.port)
+            self._aborted = True
             self.sink.emit("abort", generation=self._live_gen, rank=self.h.rank, reason=reason,
                            **info)
             self._live_gen = None
@@ -211,7 +219,7 @@ class Runtime:
         dp_size = ps.get_data_parallel_world_size()
         self.mirror = Mirror(self.h.rank, self.config.replicas,
                              use_cuda=self.h.device.type == "cuda")
-        self.mirror.set_sources(lambda: shard.shard_tensors(optimizer)
+        self.mirror.set_sources(lambda: shard.shard_tensors(optimizer, placeholders=True)
                                 + shard.unreplicated_tensors(model, dp_size))
         self.mirror.fault_hook = lambda it: self.fault_point(it, "mirror")
         self._connect_mirror()
@@ -222,6 +230,8 @@ class Runtime:
             restored = self._restore(spare=True)
             timer.stop()
             self._begin_first_step(timer, restored, self.plan, iteration_at_failure=None)
+        else:
+            self._initial_commit_pending = True
         self.state = "ACTIVE"
 
     def _connect_mirror(self) -> None:
@@ -253,6 +263,16 @@ class Runtime:
                 time.sleep(60)  # the agent delivers the signal; we never get past this
                 raise DeadpoolError(f"fault {f.index} was requested but never delivered")
 
+    def before_step(self, iteration: int) -> None:
+        """Top of every loop iteration (``iteration`` steps done). The first call of a fresh
+        job commits the initial state, so that a failure in the very first step rolls back
+        to a committed state too."""
+        if self._initial_commit_pending:
+            self._initial_commit_pending = False
+            self.mirror.begin(iteration, self._meta(iteration))
+            self.mirror.wait()  # once, before any training: a failure in step 1 finds it
+        self.fault_point(iteration + 1, "forward_backward")
+
     def after_step(self, iteration: int) -> None:
         self.iteration = iteration
         if self._bench_block and ((iteration - 1) // self._bench_block) % 2 == 1:
@@ -269,8 +289,10 @@ class Runtime:
             self.recoveries.append(report)
 
     def _meta(self, iteration: int) -> dict:
-        return train_state_io.capture(iteration, self.train_state, self.scheduler,
+        meta = train_state_io.capture(iteration, self.train_state, self.scheduler,
                                       self.optimizer, with_cuda=self.h.device.type == "cuda")
+        meta["optimizer_state_empty"] = shard.optimizer_state_empty(self.optimizer)
+        return meta
 
     def _apply_meta(self, meta: dict) -> None:
         train_state_io.apply(meta, self.train_state, self.scheduler, self.optimizer)
@@ -282,7 +304,7 @@ class Runtime:
         """The recovery boundary. Returns with every rank restored to the same committed
         iteration on a rebuilt world; re-raises ``exc`` if it was not a job failure. A failure
         during recovery starts the recovery over on the next generation."""
-        if self.state != "ACTIVE" or not isinstance(exc, RECOVERABLE):
+        if self.state != "ACTIVE" or not is_peer_failure(exc, aborted=self._aborted):
             raise exc
         iteration_at_failure = self.iteration
         self._log(f"failure seen at iteration {iteration_at_failure}: "
@@ -291,7 +313,9 @@ class Runtime:
             try:
                 self._recover_once(exc, iteration_at_failure)
                 return
-            except RECOVERABLE as again:
+            except Exception as again:  # noqa: BLE001 - classified right below
+                if not is_peer_failure(again, aborted=self._aborted):
+                    raise
                 if self._shutdown_reason is not None:
                     raise self._shutdown_error() from None
                 if isinstance(again, DeadpoolError) and not isinstance(again, MirrorError):
@@ -360,7 +384,7 @@ class Runtime:
         cmax = m.transport.all_max(-1 if spare else m.committed)
         chosen = None
         for c in (cmax, cmax - 1):
-            ok = c >= 1 and (spare or m.has_local(c)) and all(m.holds_copy(o, c) for o in serve)
+            ok = c >= 0 and (spare or m.has_local(c)) and all(m.holds_copy(o, c) for o in serve)
             if m.transport.all_ok(ok):
                 chosen = c
                 break
@@ -373,6 +397,8 @@ class Runtime:
                     opt._init_optimizer_states_with_dummy_values()
         m.transfer_for_restore(chosen, serve, holder[self.h.rank] if spare else None)
         meta = m.restore_local(chosen)
+        if meta.get("optimizer_state_empty"):
+            shard.reset_optimizer_state(self.optimizer)  # the initial commit: before step 1
         shard.copy_main_params_to_model(self.optimizer, self.model)
         self._apply_meta(meta)
         m.reset_after_restore(chosen)
@@ -403,10 +429,39 @@ class Runtime:
             info = {}
         self.state = "DONE"
         st.push_event(self.store, "done", lid=self.lid, rank=self.h.rank)
+        self.close(destroy=False)
+        return {"recoveries": self.recoveries, "generation": self.gen, **info}
+
+    def report_fatal(self, exc: BaseException) -> None:
+        """This process stops on an error that recovery cannot or must not handle: tell the
+        decider, which stops the job with this reason instead of spending a spare."""
+        import traceback
+
+        if self.state == "DONE" or self._closed:
+            return
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        try:
+            st.push_event(self.store, "fatal", lid=self.lid, rank=self.h.rank,
+                          error=f"{type(exc).__name__}: {exc}"[:500], traceback=text[-4000:])
+        except Exception:  # noqa: BLE001 - the coordinator is gone: nothing to tell
+            pass
+
+    def close(self, destroy: bool = True) -> None:
+        """Stop the threads and (``destroy``) free every communicator before the process
+        exits: exiting with live gloo groups and threads ends in std::terminate at
+        interpreter shutdown."""
+        if self._closed:
+            return
+        self._closed = True
         self._stop.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=5)
         if self.mirror is not None:
             self.mirror.close()
-        return {"recoveries": self.recoveries, "generation": self.gen, **info}
+        with self._lock:
+            self._live_gen = None
+        if destroy:
+            ab.destroy_world()
 
     def _log(self, msg: str) -> None:
         print(f"[deadpool lid{self.lid}] {msg}", flush=True)

@@ -48,9 +48,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     sys.argv = [script, *argv[1:]]
     try:
         runpy.run_path(script, run_name="__main__")
-    except DeadpoolError as exc:  # a refused configuration: one line, not a traceback
-        print(f"deadpool: error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+    except BaseException as exc:
+        lm.shutdown(exc)
+        if isinstance(exc, DeadpoolError):  # a refused configuration, a stopped job: one line
+            print(f"deadpool: error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        raise
     if lm.results_dir():
         lm.finish()
 

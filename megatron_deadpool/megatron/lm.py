@@ -302,7 +302,7 @@ def before_step(iteration: int) -> None:
         _S.quiet.stop()
         _S.quiet = None
         _reapply_rng()
-    _S.handle.fault_point(iteration + 1, "forward_backward")
+    _S.handle.before_step(iteration)
 
 
 def after_step(iteration: int, flops: float, loss_dict: Optional[dict] = None) -> None:
@@ -406,6 +406,12 @@ def finish() -> Optional[str]:
     if handle.rank == 0:
         print(f"final_state_sha256 {digest}", flush=True)
     return digest
+
+
+def shutdown(exc: Optional[BaseException]) -> None:
+    """The script ended with ``exc``: report it and free the communicators (clean exit)."""
+    if _S.handle is not None:
+        _S.handle.shutdown(exc)
 
 
 def results_dir() -> Optional[str]:

@@ -31,19 +31,37 @@ def _model_params_in_shard_order(opt) -> Iterator[torch.nn.Parameter]:
                     yield model_param
 
 
-def shard_tensors(optimizer) -> List[Tuple[str, torch.Tensor]]:
+def optimizer_state_empty(optimizer) -> bool:
+    """True before the first optimizer step (torch Adam creates its state lazily)."""
+    return all(not opt.optimizer.state for opt in distributed_optimizers(optimizer))
+
+
+def shard_tensors(optimizer, placeholders: bool = False) -> List[Tuple[str, torch.Tensor]]:
     """(name, tensor) for every fp32 main param, exp_avg, exp_avg_sq and step of this rank's
-    shard, in a canonical order. Empty optimizer state (before the first step) yields only the
-    main params."""
+    shard, in a canonical order. Before the first step the optimizer state does not exist
+    yet: with ``placeholders`` the moments and step are stood in for by the zeros the first
+    step will create (torch Adam's lazy initialization), so the snapshot layout is already
+    the steady-state one; without, only the main params are yielded."""
     out = []
     for oi, opt in enumerate(distributed_optimizers(optimizer)):
         for pi, model_param in enumerate(_model_params_in_shard_order(opt)):
             tensors = opt._get_main_param_and_optimizer_states(model_param)
+            if placeholders and len(tensors) == 1:
+                main = tensors["param"]
+                tensors = {"param": main, "exp_avg": torch.zeros_like(main),
+                           "exp_avg_sq": torch.zeros_like(main),
+                           "step": torch.tensor(0.0, dtype=torch.float32)}
             for key in STATE_KEYS:
                 t = tensors.get(key)
                 if isinstance(t, torch.Tensor):
                     out.append((f"opt{oi}.p{pi}.{key}", t))
     return out
+
+
+def reset_optimizer_state(optimizer) -> None:
+    """Back to the state before the first step: torch Adam re-creates it lazily."""
+    for opt in distributed_optimizers(optimizer):
+        opt.optimizer.state.clear()
 
 
 def unreplicated_tensors(model_chunks: Sequence[torch.nn.Module], dp_size: int

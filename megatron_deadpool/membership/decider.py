@@ -135,6 +135,15 @@ class Decider:
                 p.state = "done"
         elif kind == "fault_request":
             self._fire_fault(ev)
+        elif kind == "fatal":
+            # A local error (or an unrecoverable state) on one rank: stop the job with it;
+            # spending a spare would only replay the same error.
+            reason = f"rank {ev['rank']} (process {ev['lid']}) stopped: {ev['error']}"
+            self.log(reason + "\n" + ev.get("traceback", ""))
+            if self.failed_reason is None:
+                self.failed_reason = reason
+            self._shutdown(reason)
+            self.finished = True
 
     def _fire_fault(self, ev: dict) -> None:
         idx = ev["index"]

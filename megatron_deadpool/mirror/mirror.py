@@ -72,6 +72,8 @@ class Mirror:
         self.holds: List[int] = []  # owners whose copies this rank holds
         self._tensors_fn: Optional[TensorsFn] = None
         self._tensors: Optional[List[torch.Tensor]] = None
+        self._stale = False
+        self.relayouts = 0
         self.layout: Optional[snapshot.Layout] = None
         self.own: List[torch.Tensor] = []
         self.own_iter = [-1, -1]
@@ -106,12 +108,25 @@ class Mirror:
     def ensure_layout(self) -> snapshot.Layout:
         # The metadata capacity is fixed (not measured) so that a promoted spare computes
         # the same slot size as the rank it replaces.
-        if self.layout is None:
+        if self.layout is None or self._stale:
             named = list(self._tensors_fn())
             self._tensors = [t for _, t in named]
-            self.layout = snapshot.Layout(named, self.meta_capacity)
+            self._stale = False
+            layout = snapshot.Layout(named, self.meta_capacity)
+            if self.layout is not None and layout.layout_id == self.layout.layout_id:
+                return self.layout
+            if self.layout is not None:
+                self.relayouts += 1  # e.g. an optimizer whose state differs from placeholders
+                self._sizes = None
+            self.layout = layout
             self.own = [snapshot.alloc_slot(self.layout.total_bytes, self.pin) for _ in range(2)]
+            self.own_iter = [-1, -1]
         return self.layout
+
+    def refresh_sources(self) -> None:
+        """The live tensors may have changed (the optimizer state was created or reset):
+        fetch them again before the next copy in or out."""
+        self._stale = True
 
     @property
     def host_bytes(self) -> int:
@@ -233,8 +248,11 @@ class Mirror:
     def restore_local(self, iteration: int) -> dict:
         """Verify the local copy of ``iteration`` and load it into the live tensors."""
         slot = self.own[iteration % 2]
-        meta = snapshot.verify(slot, self.rank, iteration, self.layout)
-        snapshot.copy_tensors_out(slot, self.layout, self._tensors)
+        self.refresh_sources()
+        layout = self.ensure_layout()
+        meta = snapshot.verify(slot, self.rank, iteration, layout)
+        snapshot.copy_tensors_out(slot, layout, self._tensors)
+        self.refresh_sources()
         return meta
 
     def transfer_for_restore(self, iteration: int, serve: Sequence[int], receive_from: Optional[int]

@@ -110,7 +110,6 @@ def train_step(args, state, model, optimizer, scheduler, device, deadpool):
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    deadpool.fault_point(state.iteration + 1, "forward_backward")
     losses = get_forward_backward_func()(
         forward_step_func=partial(_forward_step, device), data_iterator=as_iterator(batches),
         model=model, num_microbatches=len(batches), seq_length=args.seq_length,
@@ -161,43 +160,48 @@ def main(argv=None) -> int:
         torch.use_deterministic_algorithms(True)
 
     deadpool = api.Deadpool.start(args.deadpool_config, device=args.device, backend=args.backend)
-    device = deadpool.device
-    deadpool.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size)
-    model, optimizer, scheduler = build(args, device)
-    state = SimpleNamespace(iteration=0, consumed_train_samples=0)
-    deadpool.attach(model=model, optimizer=optimizer, scheduler=scheduler, train_state=state)
+    try:
+        device = deadpool.device
+        deadpool.initialize_model_parallel(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+        model, optimizer, scheduler = build(args, device)
+        state = SimpleNamespace(iteration=0, consumed_train_samples=0)
+        deadpool.attach(model=model, optimizer=optimizer, scheduler=scheduler, train_state=state)
 
-    t_last = time.time()
-    step_s = []
-    while state.iteration < args.train_iters:
-        try:
-            loss, grad_norm = train_step(args, state, model, optimizer, scheduler, device,
-                                         deadpool)
-            state.iteration += 1
-            state.consumed_train_samples += args.global_batch_size
-            deadpool.after_step(state.iteration, loss=loss)
-        except Exception as exc:  # the one recovery boundary
-            deadpool.recover(exc)  # re-raises when this is not a recoverable failure
-            t_last = time.time()
-            continue
-        now = time.time()
-        step_s.append(now - t_last)
-        if loss is not None and state.iteration % args.log_interval == 0 and (
-                deadpool.rank == deadpool.world_size - 1):
-            lr = optimizer.param_groups[0]["lr"]
-            _log(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {state.iteration:8d}/"
-                 f"{args.train_iters:8d} | consumed samples: {state.consumed_train_samples:12d} |"
-                 f" elapsed time per iteration (ms): {(now - t_last) * 1000:.1f} |"
-                 f" learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d} |"
-                 f" lm loss: {loss:.6E} | grad norm: {float(grad_norm):.3f} |")
-        t_last = now
+        t_last = time.time()
+        step_s = []
+        while state.iteration < args.train_iters:
+            try:
+                deadpool.before_step(state.iteration)
+                loss, grad_norm = train_step(args, state, model, optimizer, scheduler, device,
+                                             deadpool)
+                state.iteration += 1
+                state.consumed_train_samples += args.global_batch_size
+                deadpool.after_step(state.iteration, loss=loss)
+            except Exception as exc:  # the one recovery boundary
+                deadpool.recover(exc)  # re-raises when this is not a recoverable failure
+                t_last = time.time()
+                continue
+            now = time.time()
+            step_s.append(now - t_last)
+            if loss is not None and state.iteration % args.log_interval == 0 and (
+                    deadpool.rank == deadpool.world_size - 1):
+                lr = optimizer.param_groups[0]["lr"]
+                _log(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {state.iteration:8d}/"
+                     f"{args.train_iters:8d} | consumed samples: {state.consumed_train_samples:12d} |"
+                     f" elapsed time per iteration (ms): {(now - t_last) * 1000:.1f} |"
+                     f" learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d} |"
+                     f" lm loss: {loss:.6E} | grad norm: {float(grad_norm):.3f} |")
+            t_last = now
 
-    digest = deadpool.finish(model, optimizer,
-                             extra={"step_s": step_s, "iteration": state.iteration})
-    if deadpool.rank == 0:
-        _log(f"final_state_sha256 {digest}")
+        digest = deadpool.finish(model, optimizer,
+                                 extra={"step_s": step_s, "iteration": state.iteration})
+        if deadpool.rank == 0:
+            _log(f"final_state_sha256 {digest}")
+    except BaseException as exc:
+        deadpool.shutdown(exc)  # report it and free the communicators: a clean exit
+        raise
     return 0
 
 
