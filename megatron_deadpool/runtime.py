@@ -17,20 +17,21 @@ from datetime import timedelta
 from typing import List, Optional
 
 from .config import DeadpoolConfig
-from .errors import (DeadpoolError, NoCommittedStateError, NoSpareError, RebindAuditError,
+from .errors import (DeadpoolError, NoSpareError, RebindAuditError,
                      StaleGenerationError)
 from .launch import inject
 from .megatron import shard
 from .megatron import state as train_state_io
 from .megatron.support import check_supported
 from .membership import store as st
-from .mirror import placement
 from .mirror.mirror import Mirror, MirrorError, lower_thread_priority, native_thread_ids
 from .mirror.transport import GlooTransport
 from .recovery import abort as ab
 from .recovery.phases import EventSink, Phase, PhaseTimer
 from .recovery.classify import is_peer_failure
+from .recovery import restore_plan
 from .recovery.quiet import CollectiveSuppressor
+from .recovery.restore_plan import Inventory
 from .recovery.rebind import GroupSlots, heap_audit, weak_groups
 
 
@@ -271,6 +272,7 @@ class Runtime:
             self._initial_commit_pending = False
             self.mirror.begin(iteration, self._meta(iteration))
             self.mirror.wait()  # once, before any training: a failure in step 1 finds it
+            self.mirror.refresh_sources()  # the first step creates the optimizer state
         self.fault_point(iteration + 1, "forward_backward")
 
     def after_step(self, iteration: int) -> None:
@@ -368,41 +370,29 @@ class Runtime:
                            old_groups=len(old_groups), leaked=0)
 
     def _restore(self, spare: bool) -> int:
-        """Agree on the iteration to restore, move lost shards from buddies, restore every
-        rank, rebuild model params, and re-protect. Returns the restored iteration."""
-        plan, m = self.plan, self.mirror
-        failed = [int(r) for r in plan["failed_ranks"]]
-        old = placement.buddies(plan["prev_node_of_rank"], self.config.replicas)
-        holder = {}
-        for o in failed:
-            alive = [b for b in old[o] if b not in failed]
-            if not alive:
-                raise NoCommittedStateError(
-                    f"rank {o} and every buddy holding its copy ({old[o]}) failed together")
-            holder[o] = alive[0]
-        serve = [o for o in failed if holder[o] == self.h.rank]
-        cmax = m.transport.all_max(-1 if spare else m.committed)
-        chosen = None
-        for c in (cmax, cmax - 1):
-            ok = c >= 0 and (spare or m.has_local(c)) and all(m.holds_copy(o, c) for o in serve)
-            if m.transport.all_ok(ok):
-                chosen = c
-                break
-        if chosen is None:
-            raise NoCommittedStateError(
-                f"no iteration is committed on every needed holder (latest committed: {cmax})")
-        if spare:
+        """Agree on the iteration to restore from what every process holds, move missing
+        shards from their holders, restore every rank, rebuild model params, and re-protect.
+        Returns the restored iteration."""
+        m = self.mirror
+        invs = [Inventory.from_json(x) for x in m.transport.all_gather_json(m.inventory())]
+        decision = restore_plan.decide(invs)
+        chosen = decision.iteration
+        me = self.h.rank
+        if me in decision.sources:
             for opt in shard.distributed_optimizers(self.optimizer):
-                if not opt.optimizer.state:
+                if not opt.optimizer.state:  # a spare: create the state the copy fills
                     opt._init_optimizer_states_with_dummy_values()
-        m.transfer_for_restore(chosen, serve, holder[self.h.rank] if spare else None)
+        m.transfer_for_restore(chosen, decision.serves(me), decision.sources.get(me))
         meta = m.restore_local(chosen)
         if meta.get("optimizer_state_empty"):
             shard.reset_optimizer_state(self.optimizer)  # the initial commit: before step 1
         shard.copy_main_params_to_model(self.optimizer, self.model)
         self._apply_meta(meta)
-        m.reset_after_restore(chosen)
-        m.reprotect(chosen)
+        m.after_restore(chosen)
+        # Buddies that already hold the restored iteration (same placement) are not re-sent.
+        held = {(o, h) for h, inv in enumerate(invs) for o, its in inv.copies.items()
+                if chosen in its}
+        m.reprotect(chosen, skip=held)
         return chosen
 
     def _begin_first_step(self, timer: PhaseTimer, restored: int, plan: dict,

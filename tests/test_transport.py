@@ -36,7 +36,8 @@ def _conformance(t, rank):
         t.exchange([(0, torch.full((10,), rank, dtype=torch.uint8))], [])
     assert t.all_ok(True) is True
     assert t.all_ok(rank != 1) is False
-    assert t.all_max(rank * 10 - 5) == (WORLD - 1) * 10 - 5
+    assert t.all_gather_json({"r": rank, "own": [rank, 5]}) == [
+        {"r": r, "own": [r, 5]} for r in range(WORLD)]
     assert t.all_gather_int(rank + 7) == [7 + r for r in range(WORLD)]
 
 

@@ -74,6 +74,8 @@ class Mirror:
         self._tensors: Optional[List[torch.Tensor]] = None
         self._stale = False
         self.relayouts = 0
+        self.failed_commits = 0
+        self.on_commit_failed: Optional[Callable[[int], None]] = None
         self.layout: Optional[snapshot.Layout] = None
         self.own: List[torch.Tensor] = []
         self.own_iter = [-1, -1]
@@ -209,26 +211,27 @@ class Mirror:
         if self._sizes is not None:
             return
         self._sizes = self.transport.all_gather_int(self.layout.total_bytes)
-        recv = {}
         for o in self.holds:
             old = self.recv.get(o)
-            if old is not None and old[0].numel() == self._sizes[o]:
-                recv[o] = old
-            else:
-                recv[o] = [snapshot.alloc_slot(self._sizes[o], self.pin) for _ in range(2)]
-        self.recv_iter = {o: (self.recv_iter.get(o, [-1, -1]) if recv[o] is self.recv.get(o)
-                              else [-1, -1]) for o in self.holds}
-        self.recv = recv
+            if old is None or old[0].numel() != self._sizes[o]:
+                self.recv[o] = [snapshot.alloc_slot(self._sizes[o], self.pin) for _ in range(2)]
+                self.recv_iter[o] = [-1, -1]
+        # Copies of owners this rank no longer holds (the placement changed) stay valid, and
+        # restorable, until a newer iteration commits (see _exchange_and_commit).
 
-    def _exchange_and_commit(self, iteration: int) -> None:
+    def _exchange_and_commit(self, iteration: int, skip=frozenset()) -> None:
+        """Send this rank's slot to its buddies, receive its owners' slots, verify, commit.
+        ``skip``: (owner, holder) pairs whose copy of ``iteration`` is already in place."""
         idx = iteration % 2
         self._alloc_recv()
-        for o in self.holds:
+        owners = [o for o in self.holds if (o, self.rank) not in skip]
+        for o in owners:
             self.recv_iter[o][idx] = -1
-        self.transport.exchange([(b, self.own[idx]) for b in self.buddies],
-                                [(o, self.recv[o][idx]) for o in self.holds])
+        self.transport.exchange([(b, self.own[idx]) for b in self.buddies
+                                 if (self.rank, b) not in skip],
+                                [(o, self.recv[o][idx]) for o in owners])
         ok = True
-        for o in self.holds:
+        for o in owners:
             try:
                 snapshot.verify(self.recv[o][idx], o, iteration)
                 self.recv_iter[o][idx] = iteration
@@ -236,6 +239,12 @@ class Mirror:
                 ok = False
         if self.transport.all_ok(ok):
             self.committed = iteration
+            for o in [o for o in self.recv if o not in self.holds]:
+                del self.recv[o], self.recv_iter[o]  # superseded by the new placement
+        else:
+            self.failed_commits += 1
+            if self.on_commit_failed is not None:
+                self.on_commit_failed(iteration)
 
     # ------------------------------------------------------------------ recovery
     def has_local(self, iteration: int) -> bool:
@@ -255,10 +264,17 @@ class Mirror:
         self.refresh_sources()
         return meta
 
+    def inventory(self) -> dict:
+        """What this rank holds, for the restore decision (recovery/restore_plan.py)."""
+        return {"own": sorted(i for i in self.own_iter if i >= 0), "committed": self.committed,
+                "copies": {str(o): sorted(i for i in its if i >= 0)
+                           for o, its in self.recv_iter.items() if any(i >= 0 for i in its)}}
+
     def transfer_for_restore(self, iteration: int, serve: Sequence[int], receive_from: Optional[int]
                              ) -> None:
-        """Holders send their copy of ``iteration`` of each owner in ``serve``; a promoted spare
-        receives its own copy from ``receive_from`` into its local slot."""
+        """Holders send their copy of ``iteration`` of each owner in ``serve`` (to the rank of
+        the same id); a rank without its own copy receives it from ``receive_from`` into its
+        own slot."""
         idx = iteration % 2
         sends = [(o, self.recv[o][idx]) for o in serve]
         recvs = []
@@ -269,16 +285,18 @@ class Mirror:
         if receive_from is not None:
             self.own_iter[idx] = iteration
 
-    def reset_after_restore(self, iteration: int) -> None:
-        """Only the restored iteration stays valid; everything newer is dropped."""
-        idx = iteration % 2
-        self.own_iter = [iteration if i == idx else -1 for i in range(2)]
-        self.recv_iter = {o: [-1, -1] for o in self.recv}
-        self.committed = -1
+    def after_restore(self, iteration: int) -> None:
+        """Everything newer than the restored iteration is dropped; the restored iteration's
+        copies stay valid (a failure during re-protection can restore it again)."""
+        self.own_iter = [i if i == iteration else -1 for i in self.own_iter]
+        self.recv_iter = {o: [i if i <= iteration else -1 for i in its]
+                          for o, its in self.recv_iter.items()}
+        self.committed = iteration
 
-    def reprotect(self, iteration: int) -> None:
-        """Send the restored snapshot to the (possibly new) buddies and commit it."""
-        self._exchange_and_commit(iteration)
+    def reprotect(self, iteration: int, skip=frozenset()) -> None:
+        """Send the restored snapshot to the (possibly new) buddies that do not hold it yet,
+        and commit it."""
+        self._exchange_and_commit(iteration, skip)
         if self.committed != iteration:
             raise MirrorError(f"re-protection of iteration {iteration} did not commit")
 

@@ -4,7 +4,8 @@ Every implementation passes the same conformance test (tests/test_transport.py).
 
     exchange(sends=[(dst, buf)], recvs=[(src, buf)])   point-to-point, all at once, blocking
     all_ok(flag) -> bool                               True iff every member passed True
-    shutdown()
+    all_gather_int(v) -> [v of rank 0, 1, ...]         (slot sizes)
+    all_gather_json(obj) -> [obj of rank 0, 1, ...]    (restore inventories)
 
 Buffers are uint8 CPU tensors; receive buffers are preallocated by the caller with the
 sender's exact size.
@@ -13,6 +14,7 @@ sender's exact size.
 from __future__ import annotations
 
 import abc
+import json
 from datetime import timedelta
 from typing import List, Sequence, Tuple
 
@@ -32,15 +34,13 @@ class MirrorTransport(abc.ABC):
     def all_ok(self, ok: bool) -> bool:
         """Collective AND across all members (the commit barrier)."""
 
-    def all_max(self, value: int) -> int:
-        """Collective max of an int (used to agree on the iteration to restore)."""
-        raise NotImplementedError
-
+    @abc.abstractmethod
     def all_gather_int(self, value: int) -> List[int]:
-        raise NotImplementedError
+        """Every member's int, in rank order."""
 
-    def shutdown(self) -> None:
-        pass
+    @abc.abstractmethod
+    def all_gather_json(self, obj) -> List:
+        """Every member's JSON-serializable object, in rank order."""
 
 
 class GlooTransport(MirrorTransport):
@@ -71,16 +71,16 @@ class GlooTransport(MirrorTransport):
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self.group)
         return bool(t.item())
 
-    def all_max(self, value: int) -> int:
-        t = torch.tensor([int(value)], dtype=torch.int64)
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
-        return int(t.item())
-
     def all_gather_int(self, value: int) -> List[int]:
         out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
         self._dist.all_gather(out, torch.tensor([int(value)], dtype=torch.int64),
                               group=self.group)
         return [int(t.item()) for t in out]
+
+    def all_gather_json(self, obj) -> List:
+        out = [None] * self.world_size
+        self._dist.all_gather_object(out, json.dumps(obj), group=self.group)
+        return [json.loads(x) for x in out]
 
 
 class StoreTransport(MirrorTransport):
@@ -126,12 +126,12 @@ class StoreTransport(MirrorTransport):
         self._round += 1
         return all(v == "1" for v in vals)
 
-    def all_max(self, value: int) -> int:
-        vals = self._gather("max", str(int(value)))
-        self._round += 1
-        return max(int(v) for v in vals)
-
     def all_gather_int(self, value: int) -> List[int]:
         vals = self._gather("gather", str(int(value)))
         self._round += 1
         return [int(v) for v in vals]
+
+    def all_gather_json(self, obj) -> List:
+        vals = self._gather("json", json.dumps(obj))
+        self._round += 1
+        return [json.loads(v) for v in vals]
