@@ -78,9 +78,10 @@ class Deadpool:
         from megatron.core import parallel_state as ps
 
         self._mp_kwargs = dict(kwargs)
-        ps.initialize_model_parallel(**kwargs)
         if self._runtime is not None:
-            self._runtime.after_model_parallel_init()
+            self._runtime.initialize_model_parallel()  # a peer dying meanwhile is survived
+        else:
+            ps.initialize_model_parallel(**kwargs)
 
     def attach(self, model, optimizer, scheduler=None, train_state=None) -> None:
         shard.distributed_optimizers(optimizer)  # refuses a non-distributed optimizer early

@@ -44,6 +44,9 @@ def _env(name: str, default: Optional[str] = None) -> str:
     return v
 
 
+MAX_ATTEMPTS = 8  # recovery attempts per failure (each on a newer generation)
+
+
 def _drop_traceback(exc: BaseException) -> None:
     """The failed step's frames hold the old groups (schedules, p2p communicators): clear
     them so the old generation can be freed."""
@@ -109,8 +112,49 @@ class Runtime:
             self._promote_t0 = time.perf_counter()
         else:
             plan = st.get_json(self.store, st.k("plan", 0))
-        self._adopt(plan)
-        self._init_process_group()
+        self._form_world(plan, with_groups=False)
+
+    def _form_world(self, plan: dict, with_groups: bool) -> None:
+        """Adopt ``plan`` and build its world (``with_groups``: and replay the model-parallel
+        groups). If a peer dies meanwhile, take the next generation's plan and build again;
+        every attempt is bounded by the rendezvous timeout, and there are MAX_ATTEMPTS."""
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            self._adopt(plan)
+            try:
+                st.arrive(self.store, self.gen, self.h.world_size,
+                          self.config.rendezvous_timeout_s, stop=self._raise_if_shutdown)
+            except st.GenerationMoved as moved:
+                plan = self._wait_for_plan(self.gen + 1, moved, spare=self.role == "spare")
+                continue
+            try:
+                self._init_process_group()
+                if with_groups:
+                    self._build_groups()
+                return
+            except Exception as exc:  # noqa: BLE001 - classified right below
+                if not is_peer_failure(exc, aborted=False):
+                    raise
+                self._log(f"generation {self.gen}: the world did not form "
+                          f"({type(exc).__name__}); waiting for the next generation")
+                with self._lock:
+                    self._live_gen = None
+                ab.destroy_world()
+                plan = self._wait_for_plan(self.gen + 1, exc, spare=self.role == "spare")
+        raise DeadpoolError(f"the world did not form in {MAX_ATTEMPTS} generations")
+
+    def initialize_model_parallel(self) -> None:
+        """First build of the model-parallel groups (recorded kwargs in the handle)."""
+        try:
+            self._build_groups()
+        except Exception as exc:  # noqa: BLE001 - classified right below
+            if not is_peer_failure(exc, aborted=False):
+                raise
+            with self._lock:
+                self._live_gen = None
+            ab.destroy_world()
+            self._form_world(self._wait_for_plan(self.gen + 1, exc,
+                                                 spare=self.role == "spare"), with_groups=True)
+        self.after_model_parallel_init()
 
     def _adopt(self, plan: dict) -> None:
         rank = plan["rank_of"].get(str(self.lid))
@@ -129,9 +173,12 @@ class Runtime:
         kwargs = {}
         if self.h.backend == "nccl":
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        # Bounded by the rendezvous timeout while the world forms (a peer that dies now must
+        # not hold everyone for the collective timeout); set_collective_timeouts() raises it
+        # once the groups are built.
         dist.init_process_group(backend=self.h.backend, store=prefix, rank=self.h.rank,
                                 world_size=self.h.world_size,
-                                timeout=timedelta(seconds=self.config.collective_timeout_s),
+                                timeout=timedelta(seconds=self.config.rendezvous_timeout_s),
                                 **kwargs)
         with self._lock:
             self._live_gen = self.gen
@@ -199,6 +246,7 @@ class Runtime:
     # ================================================================ attach
     def after_model_parallel_init(self) -> None:
         """A promoted spare builds its model without talking to anyone (see quiet.py)."""
+        self._set_collective_timeouts()
         if self._joined_as_spare:
             self._suppressor = CollectiveSuppressor()
             self._suppressor.start()
@@ -224,16 +272,22 @@ class Runtime:
                                 + shard.unreplicated_tensors(model, dp_size))
         self.mirror.fault_hook = lambda it: self.fault_point(it, "mirror")
         self._connect_mirror()
-        if self._joined_as_spare:
-            timer = PhaseTimer(self.sink, self.gen, self.h.rank)
-            timer.record(Phase.REBUILD_GROUPS, time.perf_counter() - self._promote_t0)
-            timer.start(Phase.RESTORE_STATE)
-            restored = self._restore(spare=True)
-            timer.stop()
-            self._begin_first_step(timer, restored, self.plan, iteration_at_failure=None)
-        else:
-            self._initial_commit_pending = True
         self.state = "ACTIVE"
+        if not self._joined_as_spare:
+            self._initial_commit_pending = True
+            return
+        timer = PhaseTimer(self.sink, self.gen, self.h.rank)
+        timer.record(Phase.REBUILD_GROUPS, time.perf_counter() - self._promote_t0)
+        timer.start(Phase.RESTORE_STATE)
+        try:
+            restored = self._restore()
+        except Exception as exc:  # noqa: BLE001 - a peer failed while this spare restored
+            if not is_peer_failure(exc, aborted=self._aborted):
+                raise
+            self._recover_until_done(exc, iteration_at_failure=None)
+            return
+        timer.stop()
+        self._begin_first_step(timer, restored, self.plan, iteration_at_failure=None)
 
     def _connect_mirror(self) -> None:
         before = native_thread_ids("gloo_tcp_loop")
@@ -311,7 +365,14 @@ class Runtime:
         iteration_at_failure = self.iteration
         self._log(f"failure seen at iteration {iteration_at_failure}: "
                   f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
-        while True:
+        self._recover_until_done(exc, iteration_at_failure)
+
+    def _recover_until_done(self, exc: BaseException, iteration_at_failure: Optional[int]
+                            ) -> None:
+        """Each attempt uses the newest generation; a failure during an attempt (a peer
+        died in rendezvous, rebuild or restore) starts the next one. Bounded: every attempt
+        waits at most the rendezvous timeout, and there are at most MAX_ATTEMPTS."""
+        for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
                 self._recover_once(exc, iteration_at_failure)
                 return
@@ -322,8 +383,15 @@ class Runtime:
                     raise self._shutdown_error() from None
                 if isinstance(again, DeadpoolError) and not isinstance(again, MirrorError):
                     raise
-                self._log(f"failure during recovery ({type(again).__name__}); starting over")
+                self._log(f"failure during recovery attempt {attempt} "
+                          f"({type(again).__name__}); starting over on the next generation")
                 exc = again
+        raise DeadpoolError(f"recovery did not succeed in {MAX_ATTEMPTS} attempts; last "
+                            f"failure: {type(exc).__name__}: {exc}")
+
+    def _raise_if_shutdown(self) -> None:
+        if self._shutdown_reason is not None:
+            raise self._shutdown_error()
 
     def _shutdown_error(self) -> DeadpoolError:
         reason = self._shutdown_reason or "job stopped"
@@ -342,20 +410,41 @@ class Runtime:
         ab.destroy_world()
         timer.start(Phase.RENDEZVOUS)
         plan = self._wait_for_plan(self.gen + 1, exc, spare=False)
-        self._adopt(plan)
-        self._init_process_group()
+        if iteration_at_failure is not None:  # test hook: a peer dies while the world forms
+            self._adopt(plan)
+            self.fault_point(iteration_at_failure + 1, "rendezvous")
+        self._form_world(plan, with_groups=False)
         timer.start(Phase.REBUILD_GROUPS)
-        from megatron.core import parallel_state as ps
-
-        ps.initialize_model_parallel(**self.h._mp_kwargs)
+        self._build_groups()
         self.slots.rebind()
         self._audit(old_groups)
         self._connect_mirror()
+        self._set_collective_timeouts()
         timer.start(Phase.RESTORE_STATE)
-        restored = self._restore(spare=False)
+        if iteration_at_failure is not None:
+            self.fault_point(iteration_at_failure + 1, "restore_state")
+        restored = self._restore()
         timer.stop()
         self._begin_first_step(timer, restored, plan, iteration_at_failure)
         self.state = "ACTIVE"
+
+    def _build_groups(self) -> None:
+        """Replay ``initialize_model_parallel`` with the recorded arguments; group creation
+        is bounded by the rendezvous timeout like the world's."""
+        from megatron.core import parallel_state as ps
+
+        kwargs = dict(self.h._mp_kwargs)
+        if "distributed_timeout_minutes" in kwargs:
+            kwargs["distributed_timeout_minutes"] = self.config.rendezvous_timeout_s / 60
+        ps.initialize_model_parallel(**kwargs)
+
+    def _set_collective_timeouts(self) -> None:
+        from torch.distributed import distributed_c10d as c10d
+
+        minutes = (self.h._mp_kwargs or {}).get("distributed_timeout_minutes")
+        seconds = minutes * 60 if minutes else self.config.collective_timeout_s
+        for pg in ab.all_process_groups():
+            c10d._set_pg_timeout(timedelta(seconds=seconds), pg)
 
     def _audit(self, old_groups) -> None:
         if self.config.audit == "none":
@@ -369,7 +458,7 @@ class Runtime:
             self.sink.emit("audit", generation=self.gen, rank=self.h.rank, mode="full",
                            old_groups=len(old_groups), leaked=0)
 
-    def _restore(self, spare: bool) -> int:
+    def _restore(self) -> int:
         """Agree on the iteration to restore from what every process holds, move missing
         shards from their holders, restore every rank, rebuild model params, and re-protect.
         Returns the restored iteration."""

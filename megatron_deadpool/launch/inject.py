@@ -8,6 +8,10 @@
     iteration:  ... | forward_backward | optimizer | mirror | ... next iteration
                           ^ default        ^              ^  (phase= picks the point)
 
+    recovery from a failure seen while running iteration N: abort | rendezvous | rebuild
+    | restore_state | ...       (rendezvous/restore_state at iter=N: a failure during a
+                                 recovery, to test cascades)
+
 The launcher parses the ``--inject`` specs once, validates them and passes the schedule to
 every worker as JSON in an environment variable, so every rank agrees on it. ``Fault.index``
 (the position in the schedule) is the fault's unique id.
@@ -22,9 +26,10 @@ from typing import List, Optional, Sequence
 from ..errors import ConfigError
 
 KINDS = ("kill", "stop")
-PHASES = ("forward_backward", "optimizer", "mirror")
+PHASES = ("forward_backward", "optimizer", "mirror", "rendezvous", "restore_state")
 TARGETS = ("node", "rank")
-FORM = "kill|stop:node=N|rank=N@iter=N[,phase=forward_backward|optimizer|mirror]"
+FORM = ("kill|stop:node=N|rank=N@iter=N[,phase=forward_backward|optimizer|mirror|"
+        "rendezvous|restore_state]")
 
 
 def _is_int(v) -> bool:

@@ -340,4 +340,6 @@ def _recovery(plan: dict, store, world_size: int) -> dict:
         "phases_s": phases,
         "total_s": round(sum(phases.values()), 4),
         "ranks_reported": len(reports),
+        # superseded: a further failure during this recovery moved on to a newer generation
+        "superseded": not reports,
     }

@@ -77,3 +77,34 @@ def request_admission(store, lid: int, token: str, timeout_s: float) -> None:
 
 def current_gen(store) -> int:
     return int(store.add(k("gen"), 0))
+
+
+class GenerationMoved(Exception):
+    """A newer generation was published while this one's world was forming."""
+
+
+def arrive(store, gen: int, world_size: int, timeout_s: float, stop=lambda: None,
+           poll_s: float = 0.2) -> None:
+    """Abortable rendezvous before a generation's world is built: returns once all
+    ``world_size`` members of generation ``gen`` arrived; raises GenerationMoved as soon as a
+    newer generation exists (a member died meanwhile: nobody waits out a timeout for it).
+    ``stop()`` may raise to abandon the wait (the job is shutting down). One counter and one
+    "all here" key per generation: O(1) store operations per member and poll."""
+    from datetime import timedelta
+
+    done = k("arrived", gen, "all")
+    if store.add(k("arrived", gen), 1) == world_size:
+        store.set(done, "1")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            store.wait([done], timedelta(seconds=poll_s))
+            return
+        except Exception:  # noqa: BLE001 - a wait timeout: check why we are still waiting
+            pass
+        if current_gen(store) > gen:
+            raise GenerationMoved(f"generation {current_gen(store)} replaced {gen}")
+        stop()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"generation {gen}: only {store.add(k('arrived', gen), 0)} of "
+                               f"{world_size} members arrived in {timeout_s:.0f}s")
