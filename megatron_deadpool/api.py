@@ -136,10 +136,19 @@ class Deadpool:
             destroy_world()
 
     def finish(self, model, optimizer, results_dir: Optional[str] = None,
-               extra: Optional[dict] = None) -> str:
+               extra: Optional[dict] = None, train_state=None, scheduler=None) -> str:
+        """The job's state fingerprint: every rank's params, optimizer shard (main params,
+        moments, step) and, given ``train_state``, everything else a resumed run depends on
+        (RNG states, iteration, consumed samples, scheduler, grad scaler)."""
         import torch.distributed as dist
 
-        digest = shard.rank_digest(model, optimizer)
+        from .megatron import state as state_io
+
+        resume = None
+        if train_state is not None:
+            resume = state_io.capture(train_state.iteration, train_state, scheduler, optimizer,
+                                      with_cuda=self.device.type == "cuda")
+        digest = shard.rank_digest(model, optimizer, resume)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, digest)
         combined = shard.combine_digests(gathered)

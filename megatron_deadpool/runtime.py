@@ -309,7 +309,11 @@ class Runtime:
     # ================================================================ loop hooks
     def fault_point(self, iteration: int, phase: str) -> None:
         for f in self.faults:
-            if (f.iteration == iteration and f.phase == phase
+            if f.at_s is None and f.kind == "raise" and f.iteration == iteration and (
+                    f.phase == phase and f.targets(self.h.rank, self.node)):
+                raise inject.InjectedLocalError(
+                    f"injected local error on rank {self.h.rank} at iteration {iteration}")
+            if (f.at_s is None and f.iteration == iteration and f.phase == phase
                     and f.targets(self.h.rank, self.node)
                     and not self.store.check([st.k("inject", f.index)])):
                 st.push_event(self.store, "fault_request", index=f.index, lid=self.lid,

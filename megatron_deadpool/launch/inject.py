@@ -25,11 +25,18 @@ from typing import List, Optional, Sequence
 
 from ..errors import ConfigError
 
-KINDS = ("kill", "stop")
+KINDS = ("kill", "stop", "term", "segv", "raise")
+# The signal the node agent delivers for each kind; "raise" is a local error raised by the
+# rank itself (an exception in its step: the job must fail fast, no recovery).
+SIGNALS = {"kill": "SIGKILL", "stop": "SIGSTOP", "term": "SIGTERM", "segv": "SIGSEGV"}
 PHASES = ("forward_backward", "optimizer", "mirror", "rendezvous", "restore_state")
 TARGETS = ("node", "rank")
-FORM = ("kill|stop:node=N|rank=N@iter=N[,phase=forward_backward|optimizer|mirror|"
-        "rendezvous|restore_state]")
+FORM = ("kill|stop|term|segv|raise:node=N|rank=N@iter=N[,phase=forward_backward|optimizer|"
+        "mirror|rendezvous|restore_state] or ...@t=SECONDS (unstaged, from outside)")
+
+
+class InjectedLocalError(RuntimeError):
+    """What a ``raise`` fault throws inside the rank's step (not a communication failure)."""
 
 
 def _is_int(v) -> bool:
@@ -47,6 +54,7 @@ class Fault:
     rank: Optional[int] = None
     phase: str = "forward_backward"
     index: int = 0
+    at_s: Optional[float] = None  # unstaged: seconds after training began, not a fault point
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -57,6 +65,11 @@ class Fault:
         if (self.node is None) == (self.rank is None):
             raise ConfigError(f"a fault targets exactly one of node or rank, got "
                               f"node={self.node!r} rank={self.rank!r}")
+        if self.at_s is not None:
+            if self.kind == "raise":
+                raise ConfigError("a 'raise' fault runs inside the rank: it needs @iter=N")
+            if not isinstance(self.at_s, (int, float)) or self.at_s < 0:
+                raise ConfigError(f"fault time must be >= 0 seconds, got {self.at_s!r}")
         for name in ("iteration", "index", "node", "rank"):
             v = getattr(self, name)
             if v is not None and not _is_int(v):
@@ -71,6 +84,8 @@ class Fault:
     def describe(self) -> str:
         """The spec form of this fault (``parse_fault(f.describe()) == f`` up to index)."""
         target = f"node={self.node}" if self.node is not None else f"rank={self.rank}"
+        if self.at_s is not None:
+            return f"{self.kind}:{target}@t={self.at_s:g}"
         phase = "" if self.phase == "forward_backward" else f",phase={self.phase}"
         return f"{self.kind}:{target}@iter={self.iteration}{phase}"
 
@@ -105,11 +120,20 @@ def parse_fault(spec: str, index: int = 0) -> Fault:
     fields = {}
     for item in tail.split(","):
         key, eq, val = item.partition("=")
-        if not eq or key not in ("iter", "phase"):
-            raise _bad(spec, f"unknown option {item!r} (iter= and phase= are allowed)")
+        if not eq or key not in ("iter", "phase", "t"):
+            raise _bad(spec, f"unknown option {item!r} (iter=, phase= and t= are allowed)")
         if key in fields:
             raise _bad(spec, f"{key}= given twice")
         fields[key] = val
+    if "t" in fields:
+        if "iter" in fields or "phase" in fields:
+            raise _bad(spec, "t= (a wall-clock instant) excludes iter= and phase=")
+        try:
+            at_s = float(fields["t"])
+        except ValueError:
+            raise _bad(spec, f"t must be a number of seconds, got {fields['t']!r}") from None
+        return Fault(kind=kind, iteration=0, node=tnum if tkey == "node" else None,
+                     rank=tnum if tkey == "rank" else None, index=index, at_s=at_s)
     if "iter" not in fields:
         raise _bad(spec, "missing 'iter=N' after '@'")
     iteration = _int(spec, "iter", fields["iter"])
@@ -157,5 +181,5 @@ def validate_schedule(faults: Sequence[Fault], total_nodes: int, world_size: int
         if f.rank is not None and not 0 <= f.rank < world_size:
             raise ConfigError(f"{where}: rank {f.rank} does not exist "
                               f"(ranks are 0..{world_size - 1})")
-        if not 1 <= f.iteration <= train_iters:
+        if f.at_s is None and not 1 <= f.iteration <= train_iters:
             raise ConfigError(f"{where}: iteration {f.iteration} is outside 1..{train_iters}")

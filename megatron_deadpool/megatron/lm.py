@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable, List, Optional, Tuple
 
 from ..config import DeadpoolConfig, add_deadpool_args
@@ -182,6 +183,7 @@ class _Session:
     args: Any = None
     model: Any = None
     optimizer: Any = None
+    scheduler: Any = None
     dataset_provider: Optional[Callable] = None
     state: Optional[MegatronTrainState] = None
     quiet: Optional[CollectiveSuppressor] = None
@@ -276,6 +278,7 @@ def attach(model, optimizer, scheduler, dataset_provider=None) -> None:
     consumed samples included) and then walks the rest of Megatron's startup with its
     collectives suppressed, until its first ``before_step``."""
     _S.model, _S.optimizer, _S.dataset_provider = model, optimizer, dataset_provider
+    _S.scheduler = scheduler
     if not _enabled():
         return
     _S.state = MegatronTrainState(_S.args)
@@ -386,7 +389,7 @@ def capture_setup(training_module) -> None:
     def setup_model_and_optimizer(*a, **k):
         model, optimizer, scheduler = orig(*a, **k)
         if _S.model is None:
-            _S.model, _S.optimizer = model, optimizer
+            _S.model, _S.optimizer, _S.scheduler = model, optimizer, scheduler
         return model, optimizer, scheduler
 
     training_module.setup_model_and_optimizer = setup_model_and_optimizer
@@ -400,9 +403,20 @@ def finish() -> Optional[str]:
     if _S.model is None or not dist.is_initialized():
         return None
     handle = _S.handle if _S.handle is not None else _plain_handle()
-    iteration = _S.state.iteration if _S.state is not None else getattr(_S.args, "iteration",
-                                                                        None)
-    digest = handle.finish(_S.model, _S.optimizer, extra={"iteration": iteration})
+    from megatron.training.global_vars import get_args
+
+    args = get_args()
+    state = _S.state or MegatronTrainState(args)
+    if _S.state is None:  # no after_step hook ran (unpatched): args.iteration is not kept
+        state.iteration = getattr(args, "curr_iteration", args.iteration) + 1 \
+            if getattr(args, "curr_iteration", None) is not None else args.iteration
+    # FLOPs are a logging total that only the patched loop keeps: not part of the fingerprint
+    # (it must match between the patched and the unpatched script).
+    fingerprinted = SimpleNamespace(
+        iteration=state.iteration, consumed_train_samples=args.consumed_train_samples,
+        extra_state=lambda: {k: v for k, v in state.extra_state().items() if k != "flops"})
+    digest = handle.finish(_S.model, _S.optimizer, train_state=fingerprinted,
+                           scheduler=_S.scheduler, extra={"iteration": state.iteration})
     if handle.rank == 0:
         print(f"final_state_sha256 {digest}", flush=True)
     return digest

@@ -4,7 +4,7 @@ has no data-parallel replica, plus the state fingerprint used by tests, demo and
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable, Iterator, List, Sequence, Tuple
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -96,10 +96,16 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy())
 
 
-def rank_digest(model_chunks: Iterable[torch.nn.Module], optimizer) -> str:
+def rank_digest(model_chunks: Iterable[torch.nn.Module], optimizer,
+                resume_state: Optional[dict] = None) -> str:
     """SHA-256 of this rank's model params and optimizer shard (main params, exp_avg,
-    exp_avg_sq, step), in a fixed order."""
+    exp_avg_sq, step), in a fixed order, plus ``resume_state`` (``state.capture``: RNG
+    states, iteration, consumed samples, scheduler, grad scaler) when given."""
     h = hashlib.sha256()
+    if resume_state is not None:
+        from .state import canonical_bytes
+
+        h.update(canonical_bytes(resume_state))
     for ci, chunk in enumerate(model_chunks):
         for name, p in chunk.named_parameters():
             h.update(f"chunk{ci}.{name}".encode())

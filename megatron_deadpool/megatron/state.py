@@ -77,3 +77,28 @@ def apply(meta: dict, train_state, scheduler, optimizer) -> None:
     if scaler is not None and "grad_scaler" in meta:
         scaler.load_state_dict(meta["grad_scaler"])
     apply_rng(meta["rng"])
+
+
+def canonical_bytes(meta) -> bytes:
+    """A byte string that depends only on the values in ``meta`` (pickle also encodes which
+    objects are shared, which differs between processes with equal state)."""
+    import json
+
+    import numpy as np
+
+    def norm(v):
+        if isinstance(v, bytes):
+            return {"bytes": v.hex()}
+        if isinstance(v, np.ndarray):
+            return {"array": v.tolist(), "dtype": str(v.dtype)}
+        if isinstance(v, torch.Tensor):
+            return {"tensor": _to_bytes(v).hex(), "dtype": str(v.dtype)}
+        if isinstance(v, dict):
+            return {str(k): norm(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [norm(x) for x in v]
+        if isinstance(v, np.generic):
+            return v.item()
+        return v
+
+    return json.dumps(norm(meta), sort_keys=True, separators=(",", ":")).encode()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set
 
 from ..errors import NoSpareError
-from ..launch.inject import Fault
+from ..launch.inject import SIGNALS, Fault
 from . import assign
 from . import store as st
 
@@ -67,6 +67,7 @@ class Decider:
         self._last_hb_poll = 0.0
         self._fault_time: Optional[float] = None
         self._agent_hb: Dict[int, tuple] = {}  # node -> (last value, when it changed)
+        self._train_t0: Optional[float] = None
 
     # ------------------------------------------------------------------ setup
     def node_of_rank(self) -> List[int]:
@@ -101,6 +102,7 @@ class Decider:
         if now - self._last_hb_poll >= self.config.heartbeat_interval_s / 2:
             self._last_hb_poll = now
             self._poll_heartbeats(now)
+        self._fire_timed_faults(now)
         if self.pending_dead and now - self.first_dead_t >= self.config.grace_s:
             self._replan()
         actives = [p for p in self.procs.values() if p.rank is not None]
@@ -151,7 +153,7 @@ class Decider:
             return
         self.store.set(st.k("inject", idx), "fired")
         f = next(f for f in self.faults if f.index == idx)
-        sig = "SIGKILL" if f.kind == "kill" else "SIGSTOP"
+        sig = SIGNALS[f.kind]
         if f.node is not None:
             victims = [p for p in self.procs.values()
                        if p.node == f.node and p.state not in ("dead", "done")]
@@ -164,11 +166,34 @@ class Decider:
                                      "lids": [p.lid for p in victims if p.node == node]})
         rec = {"kind": f.kind, "node": f.node, "rank": f.rank,
                "ranks": sorted(p.rank for p in victims if p.rank is not None),
-               "at_iter": f.iteration, "phase": f.phase, "t": t}
+               "at_iter": f.iteration if f.at_s is None else ev.get("iteration"),
+               "phase": f.phase if f.at_s is None else "unstaged", "t": t}
+        if f.at_s is not None:
+            rec["at_s"] = f.at_s
         self.fault_records.append(rec)
         self._fault_time = self._fault_time or t
-        self.log(f"injected {f.kind} on {'node ' + str(f.node) if f.node is not None else 'rank ' + str(f.rank)}"
-                 f" at iteration {f.iteration} ({f.phase})")
+        where = f"node {f.node}" if f.node is not None else f"rank {f.rank}"
+        when = (f"at iteration {f.iteration} ({f.phase})" if f.at_s is None else
+                f"{f.at_s:g}s after training began (unstaged, at iteration "
+                f"{ev.get('iteration')})")
+        self.log(f"injected {f.kind} on {where} {when}")
+
+    def _fire_timed_faults(self, now: float) -> None:
+        """Unstaged faults (``@t=S``): delivered from outside at a wall-clock instant, S
+        seconds after the first rank reported a completed iteration, wherever the victims
+        are (no fault point, no cooperation)."""
+        timed = [f for f in self.faults if f.at_s is not None]
+        if not timed:
+            return
+        if self._train_t0 is None:
+            if any(p.hb_iteration >= 1 for p in self.procs.values() if p.rank is not None):
+                self._train_t0 = now
+            return
+        for f in timed:
+            if now - self._train_t0 >= f.at_s:
+                it = max((p.hb_iteration for p in self.procs.values() if p.rank is not None),
+                         default=0)
+                self._fire_fault({"index": f.index, "iteration": it})
 
     def _poll_heartbeats(self, now: float) -> None:
         live = [p for p in self.procs.values() if p.state == "alive"]

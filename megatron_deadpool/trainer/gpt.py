@@ -23,6 +23,9 @@ def _log(msg: str) -> None:
 
 def build(args, device):
     """Model, DDP, distributed optimizer and scheduler, exactly as megatron-core builds them."""
+    import random
+
+    import numpy as np
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -37,6 +40,8 @@ def build(args, device):
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     # Megatron-LM seeds with seed + 100 * pp_rank so stages differ.
     seed = args.seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(seed)  # every generator, as Megatron-LM's _set_random_seed does
+    np.random.seed(seed)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     config = TransformerConfig(
@@ -195,7 +200,7 @@ def main(argv=None) -> int:
                      f" lm loss: {loss:.6E} | grad norm: {float(grad_norm):.3f} |")
             t_last = now
 
-        digest = deadpool.finish(model, optimizer,
+        digest = deadpool.finish(model, optimizer, train_state=state, scheduler=scheduler,
                                  extra={"step_s": step_s, "iteration": state.iteration})
         if deadpool.rank == 0:
             _log(f"final_state_sha256 {digest}")

@@ -1,0 +1,117 @@
+"""The fault scenarios of the reliability matrix: a declarative schedule per scenario, what
+must happen, and the layouts. Shared by tests/test_reliability.py and
+scripts/fault_matrix.py (which regenerates docs/reliability.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+ITERS = 12
+
+# name -> (tp, pp, micro batch); 8 ranks as 4 nodes x 2 in every layout.
+LAYOUTS = {"TP2.PP2.DP2": (2, 2, 2), "TP1.PP4.DP2": (1, 4, 2), "TP1.PP1.DP8": (1, 1, 1),
+           "TP4.PP1.DP2": (4, 1, 2)}
+
+BITWISE, STOPPED, FAILED_FAST = "recovered, bitwise", "stopped cleanly", "failed fast"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    inject: Tuple[str, ...]
+    expect: str = BITWISE
+    spares: int = 1
+    flags: Tuple[str, ...] = ()
+    ci: bool = False          # in the CI subset (on TP2.PP2.DP2)
+    what: str = ""
+    recoveries: Optional[int] = None  # exact count expected, when it is fixed
+
+
+SCENARIOS = [
+    Scenario("kill_forward_backward", ("kill:node=1@iter=6",), recoveries=1,
+             what="SIGKILL a node in forward/backward"),
+    Scenario("kill_optimizer_step", ("kill:rank=5@iter=6,phase=optimizer",), recoveries=1,
+             what="SIGKILL a rank inside its optimizer step"),
+    Scenario("kill_mirror_transfer", ("kill:rank=5@iter=6,phase=mirror",), recoveries=1,
+             what="SIGKILL a rank inside its mirror job (snapshot sent, commit pending)"),
+    Scenario("hang_sigstop", ("stop:rank=3@iter=6",), recoveries=1,
+             flags=("--deadpool-heartbeat-timeout", "3"),
+             what="SIGSTOP a rank: heartbeat timeout, fenced"),
+    Scenario("sigterm", ("term:rank=3@iter=6",), recoveries=1, what="SIGTERM a rank"),
+    Scenario("segfault", ("segv:rank=3@iter=6",), recoveries=1, ci=True,
+             what="SIGSEGV a rank"),
+    Scenario("two_nodes_k2", ("kill:node=1@iter=6", "kill:node=2@iter=6"), spares=2,
+             flags=("--deadpool-replicas", "2"),
+             what="two nodes at once, 2 spare nodes, 2 buddy copies"),
+    Scenario("primary_and_buddy_k1", ("kill:node=1@iter=6", "kill:node=2@iter=6"),
+             spares=2, expect=STOPPED,
+             what="a rank and its only buddy die together (K=1): unrecoverable from memory"),
+    Scenario("cascade_in_rendezvous",
+             ("kill:node=1@iter=6", "kill:rank=6@iter=6,phase=rendezvous"), spares=2,
+             ci=True, what="a second kill while the first recovery's world forms"),
+    Scenario("cascade_in_restore",
+             ("kill:node=1@iter=6", "kill:rank=6@iter=6,phase=restore_state"), spares=2,
+             what="a second kill during the first recovery's restore"),
+    Scenario("kill_iteration_1", ("kill:node=2@iter=1",), recoveries=1, ci=True,
+             what="SIGKILL a node in the first step (restores the initial commit)"),
+    Scenario("kill_iteration_2", ("kill:node=2@iter=2",), recoveries=1,
+             what="SIGKILL a node in the second step"),
+    Scenario("kill_first_mirror_job", ("kill:rank=5@iter=1,phase=mirror",), recoveries=1,
+             what="SIGKILL a rank inside the first mirror job after a step"),
+    Scenario("kill_first_optimizer_step", ("kill:rank=5@iter=1,phase=optimizer",),
+             recoveries=1, what="SIGKILL a rank inside the first optimizer step"),
+    Scenario("kill_last_iteration", (f"kill:node=1@iter={ITERS}",), recoveries=1,
+             what="SIGKILL a node in the last step"),
+    Scenario("spare_dies_in_standby", ("kill:node=4@t=1", "kill:node=1@iter=9"), spares=2,
+             recoveries=1, what="a standby spare node dies (unstaged), later a node kill"),
+    Scenario("spare_exhaustion", ("kill:node=1@iter=4", "kill:node=2@iter=8"), spares=1,
+             expect=STOPPED, what="a second node dies when no spare is left"),
+    Scenario("unstaged_kill", ("kill:node=2@t=0.9",), recoveries=1, ci=True,
+             what="SIGKILL from outside at a wall-clock instant (seeded), not a fault point"),
+    Scenario("local_error", ("raise:rank=3@iter=5",), expect=FAILED_FAST, ci=True,
+             what="an exception in one rank's step: the job fails fast, no recovery"),
+]
+
+BY_NAME = {s.name: s for s in SCENARIOS}
+
+
+def trainer_flags(layout: str, extra=()) -> list:
+    tp, pp, mbs = LAYOUTS[layout]
+    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+            "--micro-batch-size", str(mbs), "--num-layers", "4", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--global-batch-size", "8", "--lr", "1e-3",
+            "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--mock-data",
+            "--use-distributed-optimizer", "--vocab-size", "128", "--device", "cpu",
+            "--train-iters", str(ITERS), "--deadpool", *extra]
+
+
+def judge(s: Scenario, rc: int, summary: Optional[dict], reference_sha: str) -> str:
+    """The cell of the matrix: the expected outcome's label, or 'FAILED: why'."""
+    if summary is None:
+        return "FAILED: no summary"
+    if s.expect == BITWISE:
+        if rc != 0:
+            return f"FAILED: exit {rc}: {summary.get('error')}"
+        if len(summary.get("faults", [])) != len(s.inject):
+            return f"FAILED: {len(summary.get('faults', []))} of {len(s.inject)} faults fired"
+        if summary["final_state_sha256"] != reference_sha:
+            return "FAILED: fingerprint differs from the failure-free run"
+        live = [r for r in summary["recoveries"] if not r.get("superseded")]
+        if s.recoveries is not None and len(live) != s.recoveries:
+            return f"FAILED: {len(live)} recoveries, expected {s.recoveries}"
+        if any(r["recomputed_iters"] is None or r["recomputed_iters"] > 1 for r in live):
+            return "FAILED: more than one iteration redone"
+        return BITWISE
+    if rc == 0:
+        return "FAILED: the job succeeded but should have stopped"
+    err = summary.get("error") or ""
+    if s.expect == STOPPED:
+        import re
+
+        m = re.search(r"last committed iteration (-?\d+)", err)
+        return f"{STOPPED} at iteration {m.group(1)}" if m else f"FAILED: unclear stop: {err}"
+    if "injected local error" in err and not summary.get("recoveries"):
+        return FAILED_FAST
+    return f"FAILED: {err or 'no error'}; recoveries {summary.get('recoveries')}"

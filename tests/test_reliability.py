@@ -1,0 +1,40 @@
+"""The reliability matrix (tests/scenarios.py): every scenario, on every layout, either ends
+bitwise-equal to the failure-free run or stops cleanly with one message naming the last
+committed iteration (or, for a local error, fails fast without any recovery)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import launch
+from scenarios import LAYOUTS, SCENARIOS, judge, trainer_flags
+
+pytestmark = [pytest.mark.slow]
+_REF = {}
+
+
+def _reference(layout, tmp_path_factory):
+    if layout not in _REF:
+        d = tmp_path_factory.mktemp("ref-" + layout)
+        p, s = launch(d, trainer_flags(layout), spares=1, name="ref")
+        assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+        _REF[layout] = s["final_state_sha256"]
+    return _REF[layout]
+
+
+def _cases():
+    for layout in LAYOUTS:
+        for s in SCENARIOS:
+            marks = [pytest.mark.ci] if (s.ci and layout == "TP2.PP2.DP2") else []
+            yield pytest.param(layout, s, id=f"{layout}-{s.name}", marks=marks)
+
+
+@pytest.mark.parametrize("layout, scenario", list(_cases()))
+def test_scenario(layout, scenario, tmp_path, tmp_path_factory):
+    ref = _reference(layout, tmp_path_factory)
+    p, s = launch(tmp_path, trainer_flags(layout, scenario.flags), spares=scenario.spares,
+                  inject=scenario.inject)
+    verdict = judge(scenario, p.returncode, s, ref)
+    assert not verdict.startswith("FAILED"), (verdict, p.stdout[-6000:], p.stderr[-3000:])
+    if scenario.name == "local_error":
+        assert "InjectedLocalError" in p.stdout + p.stderr  # its own traceback is shown
