@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="skip the failure-free replay (then bitwise_equal is not checked)")
     dp.add_argument("--verbose", action="store_true", help="show every worker's output")
 
+    sp = sub.add_parser("soak", help="one long CPU job with a seeded random schedule of "
+                        "recoverable faults; dead processes return as spares; bitwise check")
+    sp.add_argument("--failures", type=int, default=25)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--gap", type=int, default=10, help="iterations between faults (+-2)")
+    sp.add_argument("--summary-json", default=None, metavar="FILE")
+
     bp = sub.add_parser("bench", help="benchmarks")
     bsub = bp.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     bo = bsub.add_parser("overhead", help="step time with the mirror off vs on, interleaved "
@@ -107,6 +114,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             from .demo import run_demo
 
             return run_demo(args)
+        if args.cmd == "soak":
+            from .soak import run_soak
+
+            if args.failures < 1 or args.gap < 5:
+                raise DeadpoolError("--failures must be >= 1 and --gap >= 5")
+            out = run_soak(args.failures, args.seed, args.gap, args.summary_json)
+            return 0 if out["bitwise_equal"] and out["failures_injected"] == args.failures \
+                else 1
         if args.cmd == "bench":
             from . import bench
 

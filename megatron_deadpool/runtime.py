@@ -23,6 +23,7 @@ from .launch import inject
 from .megatron import shard
 from .megatron import state as train_state_io
 from .megatron.support import check_supported
+from .membership import auth
 from .membership import store as st
 from .mirror.mirror import Mirror, MirrorError, lower_thread_priority, native_thread_ids
 from .mirror.transport import GlooTransport
@@ -68,12 +69,13 @@ class Runtime:
         self.lid = int(_env("DEADPOOL_LID"))
         self.node = int(_env("DEADPOOL_NODE"))
         self.role = _env("DEADPOOL_ROLE", "active")
-        self.token = _env("DEADPOOL_TOKEN")
+        self.token = auth.load_secret()
         self.host = _env("DEADPOOL_STORE_HOST")
         self.port = int(_env("DEADPOOL_STORE_PORT"))
         self.faults = inject.from_json(os.environ.get("DEADPOOL_INJECT", "[]"))
         self.sink = EventSink(config.events_path)
         self.store = st.connect(self.host, self.port, config.rendezvous_timeout_s)
+        self.coord = st.Coordinator(self.store, self.token)
         self.state = "STANDBY"
         self.gen = -1
         self.plan: Optional[dict] = None
@@ -99,7 +101,7 @@ class Runtime:
 
     # ================================================================ membership
     def join(self) -> None:
-        st.request_admission(self.store, self.lid, self.token, self.config.rendezvous_timeout_s)
+        self.coord.request_admission(self.lid, self.config.rendezvous_timeout_s)
         self._watcher = threading.Thread(target=self._watch, name="deadpool-watcher",
                                          daemon=True)
         self._watcher.start()
@@ -111,7 +113,7 @@ class Runtime:
                            generation=plan["gen"])
             self._promote_t0 = time.perf_counter()
         else:
-            plan = st.get_json(self.store, st.k("plan", 0))
+            plan = self.coord.get_plan(0)
         self._form_world(plan, with_groups=False)
 
     def _form_world(self, plan: dict, with_groups: bool) -> None:
@@ -121,7 +123,7 @@ class Runtime:
         for attempt in range(1, MAX_ATTEMPTS + 1):
             self._adopt(plan)
             try:
-                st.arrive(self.store, self.gen, self.h.world_size,
+                st.arrive(self.coord, self.gen, self.h.world_size,
                           self.config.rendezvous_timeout_s, stop=self._raise_if_shutdown)
             except st.GenerationMoved as moved:
                 plan = self._wait_for_plan(self.gen + 1, moved, spare=self.role == "spare")
@@ -186,11 +188,12 @@ class Runtime:
 
     def _watch(self) -> None:
         """Heartbeat + generation watch. Aborts communicators when the generation moves on."""
-        client = st.connect(self.host, self.port, self.config.rendezvous_timeout_s)
+        client = st.Coordinator(st.connect(self.host, self.port,
+                                           self.config.rendezvous_timeout_s), self.token)
         seq, last_hb = 0, 0.0
         while not self._stop.is_set():
             try:
-                g = st.current_gen(client)
+                g = client.current_gen()
                 with self._lock:
                     live = self._live_gen
                 if live is not None and g > live:
@@ -198,12 +201,12 @@ class Runtime:
                 now = time.monotonic()
                 if now - last_hb >= self.config.heartbeat_interval_s:
                     seq += 1
-                    client.set(st.k("hb", self.lid), json.dumps({
-                        "seq": seq, "iteration": self.iteration, "state": self.state,
-                        "committed": self.mirror.committed if self.mirror else -1}))
+                    client.beat(self.lid, seq=seq, iteration=self.iteration, state=self.state,
+                                committed=self.mirror.committed if self.mirror else -1)
                     last_hb = now
-                if self._shutdown_reason is None and client.check([st.k("shutdown")]):
-                    self._shutdown_reason = client.get(st.k("shutdown")).decode()
+                reason = client.shutdown_reason() if self._shutdown_reason is None else None
+                if reason is not None:
+                    self._shutdown_reason = reason
                     if self.state not in ("DONE", "STANDBY"):
                         self._abort_current(reason="job stopped: " + self._shutdown_reason)
             except Exception:  # noqa: BLE001 - the store is gone: the job is over
@@ -231,9 +234,9 @@ class Runtime:
                     self._stop.set()
                     raise SystemExit(0)
                 raise self._shutdown_error()
-            g = st.current_gen(self.store)
+            g = self.coord.current_gen()
             if g >= min_gen:
-                plan = st.get_json(self.store, st.k("plan", g))
+                plan = self.coord.get_plan(g)
                 if not spare or str(self.lid) in plan["rank_of"]:
                     return plan
                 min_gen = g + 1
@@ -316,7 +319,7 @@ class Runtime:
             if (f.at_s is None and f.iteration == iteration and f.phase == phase
                     and f.targets(self.h.rank, self.node)
                     and not self.store.check([st.k("inject", f.index)])):
-                st.push_event(self.store, "fault_request", index=f.index, lid=self.lid,
+                self.coord.push_event("fault_request", index=f.index, lid=self.lid,
                               rank=self.h.rank, node=self.node, iteration=iteration, phase=phase)
                 self._log(f"fault {f.kind} requested at iteration {iteration} ({phase})")
                 time.sleep(60)  # the agent delivers the signal; we never get past this
@@ -511,7 +514,7 @@ class Runtime:
         else:
             info = {}
         self.state = "DONE"
-        st.push_event(self.store, "done", lid=self.lid, rank=self.h.rank)
+        self.coord.push_event("done", lid=self.lid, rank=self.h.rank)
         self.close(destroy=False)
         return {"recoveries": self.recoveries, "generation": self.gen, **info}
 
@@ -524,7 +527,7 @@ class Runtime:
             return
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         try:
-            st.push_event(self.store, "fatal", lid=self.lid, rank=self.h.rank,
+            self.coord.push_event("fatal", lid=self.lid, rank=self.h.rank,
                           error=f"{type(exc).__name__}: {exc}"[:500], traceback=text[-4000:])
         except Exception:  # noqa: BLE001 - the coordinator is gone: nothing to tell
             pass

@@ -4,7 +4,7 @@ scripts/fault_matrix.py (which regenerates docs/reliability.md)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 ITERS = 12

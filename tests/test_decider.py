@@ -1,10 +1,8 @@
 """The decider against an in-memory store: admission by token, plans on failure, fencing,
 lost nodes, and the no-spare stop. No processes are started."""
 
-import json
 import time
 
-import pytest
 import torch.distributed as dist
 
 from megatron_deadpool.membership import store as st
@@ -25,14 +23,17 @@ def _decider(spares=2, hb_timeout=0.5):
     return d, store, cmds
 
 
+def _c(store, token="secret"):
+    return st.Coordinator(store, token)
+
+
 def _join(store, lid, token="secret"):
-    store.set(st.k("join", lid), token)
-    st.push_event(store, "join", lid=lid)
+    _c(store, token).push_event("join", lid=lid, nonce=f"n{lid}")
 
 
 def _beat(store, lid, seq, iteration=1):
-    store.set(st.k("hb", lid), json.dumps({"seq": seq, "iteration": iteration,
-                                           "state": "ACTIVE", "committed": iteration - 1}))
+    _c(store).beat(lid, seq=seq, iteration=iteration, state="ACTIVE",
+                   committed=iteration - 1)
 
 
 def test_wrong_token_is_refused():
@@ -40,8 +41,14 @@ def test_wrong_token_is_refused():
     _join(store, 0)
     _join(store, 1, token="guess")
     d.step()
-    assert store.get(st.k("admit", 0)) == b"ok"
-    assert store.get(st.k("admit", 1)).startswith(b"refused")
+    assert _c(store).get_plan(0)["gen"] == 0
+    from megatron_deadpool.membership import auth
+
+    ok = auth.open_("secret", store.get(st.k("admit", 0, "n0")), lid=0, nonce="n0")
+    assert ok["ok"] is True
+    refused = auth.open_("secret", store.get(st.k("admit", 1, "n1")), lid=1, nonce="n1")
+    assert refused["ok"] is False and "secret" in refused["why"]
+    assert d.procs[1].state != "alive"
 
 
 def test_exit_produces_next_generation_plan():
@@ -49,12 +56,12 @@ def test_exit_produces_next_generation_plan():
     for lid in range(10):
         _join(store, lid)
     d.step()
-    st.push_event(store, "exit", lid=2, code=-9, node=1)
-    st.push_event(store, "exit", lid=3, code=-9, node=1)
+    _c(store).push_event("exit", lid=2, code=-9, node=1)
+    _c(store).push_event("exit", lid=3, code=-9, node=1)
     d.step()
     d.step()
-    assert st.current_gen(store) == 1
-    plan = st.get_json(store, st.k("plan", 1))
+    assert _c(store).current_gen() == 1
+    plan = _c(store).get_plan(1)
     assert plan["failed_ranks"] == [2, 3] and plan["spare_ranks"] == {"2": 8, "3": 9}
     assert plan["rank_of"]["8"] == 2 and "2" not in plan["rank_of"]
     assert plan["node_of_rank"][2] == 4 and plan["prev_node_of_rank"][2] == 1
@@ -72,10 +79,10 @@ def test_stale_heartbeat_is_fenced_then_replaced():
                 _beat(store, lid, seq)
         time.sleep(0.05)
         d.step()
-        if st.current_gen(store) == 1:
+        if _c(store).current_gen() == 1:
             break
     assert any(c == {"op": "signal", "signal": "SIGKILL", "lids": [5]} for _, c in cmds)
-    plan = st.get_json(store, st.k("plan", 1))
+    plan = _c(store).get_plan(1)
     assert plan["failed_ranks"] == [5]
 
 
@@ -87,9 +94,9 @@ def test_no_spare_left_stops_with_committed_iteration():
     d.step()
     time.sleep(0.06)
     d.step()
-    st.push_event(store, "exit", lid=6, code=-9, node=3)
+    _c(store).push_event("exit", lid=6, code=-9, node=3)
     d.step()
     d.step()
-    reason = store.get(st.k("shutdown")).decode()
+    reason = _c(store).shutdown_reason()
     assert "no spare left" in reason and "last committed iteration 6" in reason
-    assert d.finished and st.current_gen(store) == 0
+    assert d.finished and _c(store).current_gen() == 0

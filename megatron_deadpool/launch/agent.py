@@ -8,7 +8,6 @@ agent object per simulated node.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -30,16 +29,13 @@ class WorkerSpec:
     local_rank: int
 
 
-def push_command(store, node: int, cmd: dict) -> None:
-    i = store.add(st.k("cmd", node, "n"), 1)
-    store.set(st.k("cmd", node, i), json.dumps(cmd))
-
-
 class NodeAgent:
     def __init__(self, node: int, workers: List[WorkerSpec], argv: List[str], base_env: dict,
-                 store, prefix_map: Dict[int, str], out=sys.stdout, use_store: bool = True):
+                 coord: Optional[st.Coordinator], prefix_map: Dict[int, str], out=sys.stdout,
+                 use_store: bool = True):
         self.node, self.workers, self.argv = node, workers, argv
-        self.base_env, self.store, self.prefix_map = base_env, store, prefix_map
+        self.base_env, self.coord, self.prefix_map = base_env, coord, prefix_map
+        self.rejected_commands = 0
         self.out = out
         self.use_store = use_store
         self.procs: Dict[int, subprocess.Popen] = {}
@@ -52,20 +48,26 @@ class NodeAgent:
 
     def start(self) -> None:
         for w in self.workers:
-            env = dict(self.base_env)
-            env.update({"DEADPOOL_LID": str(w.lid), "DEADPOOL_NODE": str(self.node),
-                        "DEADPOOL_ROLE": w.role, "LOCAL_RANK": str(w.local_rank)})
-            if w.rank is not None:
-                env["RANK"] = str(w.rank)
-            else:
-                env.pop("RANK", None)
-            p = subprocess.Popen(self.argv, env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 start_new_session=True)
-            self.procs[w.lid] = p
-            t = threading.Thread(target=self._forward, args=(w.lid, p), daemon=True)
-            t.start()
-            self._readers.append(t)
+            self.spawn(w)
+
+    def spawn(self, w: WorkerSpec) -> None:
+        """Start one worker process (also later: a replacement spare on this node)."""
+        if w not in self.workers:
+            self.workers.append(w)
+        env = dict(self.base_env)
+        env.update({"DEADPOOL_LID": str(w.lid), "DEADPOOL_NODE": str(self.node),
+                    "DEADPOOL_ROLE": w.role, "LOCAL_RANK": str(w.local_rank)})
+        if w.rank is not None:
+            env["RANK"] = str(w.rank)
+        else:
+            env.pop("RANK", None)
+        p = subprocess.Popen(self.argv, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+        self.procs[w.lid] = p
+        t = threading.Thread(target=self._forward, args=(w.lid, p), daemon=True)
+        t.start()
+        self._readers.append(t)
 
     def _forward(self, lid: int, p: subprocess.Popen) -> None:
         for raw in iter(p.stdout.readline, b""):
@@ -85,21 +87,24 @@ class NodeAgent:
                 self.exit_codes[lid] = code
                 exited.append((lid, code))
                 if self.use_store:
-                    st.push_event(self.store, "exit", lid=lid, code=code, node=self.node)
+                    self.coord.push_event("exit", lid=lid, code=code, node=self.node)
         if self.use_store:
             self._run_commands()
             now = time.monotonic()
             if now - self._last_hb > 0.25:
                 self._hb += 1
-                self.store.set(st.k("agent_hb", self.node), str(self._hb))
+                self.coord.agent_beat(self.node, self._hb)
                 self._last_hb = now
         return exited
 
     def _run_commands(self) -> None:
-        n = self.store.add(st.k("cmd", self.node, "n"), 0)
-        while self._cmd_cursor < n:
-            self._cmd_cursor += 1
-            cmd = json.loads(self.store.get(st.k("cmd", self.node, self._cmd_cursor)).decode())
+        cmds, self._cmd_cursor, bad = self.coord.read_commands(self.node, self._cmd_cursor)
+        if bad:
+            self.rejected_commands += bad
+            with self._out_lock:
+                self.out.write(f"[agent n{self.node}] ignored {bad} command(s) not signed with "
+                               "the job secret\n")
+        for cmd in cmds:
             if cmd["op"] == "signal":
                 sig = getattr(signal, cmd["signal"])
                 for lid in cmd["lids"]:

@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..membership import store as st
 from ..membership.decider import Decider, DeciderConfig, Proc
 from . import inject
-from .agent import NodeAgent, WorkerSpec, push_command
+from .agent import NodeAgent, WorkerSpec
 
 
 @dataclass
@@ -42,6 +42,9 @@ class LaunchOptions:
     trainer_argv: List[str] = field(default_factory=list)
     quiet: bool = False
     device: Optional[str] = None  # cpu | cuda; None: the trainer's own default
+    # Simulated nodes only: a process that died is replaced by a fresh standby spare on
+    # the same node (the node "returns"), so the spare pool stays topped up (soak).
+    respawn_spares: bool = False
 
 
     def __post_init__(self):
@@ -169,10 +172,11 @@ def run(opts: LaunchOptions, out=sys.stdout) -> dict:
     my_nodes = sorted({s.node for s in specs}) if local else [opts.node_rank]
     hosts_store = local or opts.node_rank == 0
 
-    store = None
+    store = coord = None
     if cfg.enabled:
         store = st.connect(opts.master_addr, store_port, timeout_s=cfg.rendezvous_timeout_s,
                            is_master=hosts_store)
+        coord = st.Coordinator(store, token)
     base_env = dict(os.environ)
     base_env.update({
         "MASTER_ADDR": opts.master_addr, "MASTER_PORT": str(opts.master_port),
@@ -195,13 +199,13 @@ def run(opts: LaunchOptions, out=sys.stdout) -> dict:
         procs = {s.lid: Proc(lid=s.lid, node=s.node, role=s.role, rank=s.rank) for s in specs}
         decider = Decider(
             store=store, procs=procs, world_size=opts.world_size, token=token, faults=faults,
-            send_command=lambda node, cmd: push_command(store, node, cmd),
+            send_command=coord.push_command,
             config=DeciderConfig(heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                                  progress_timeout_s=cfg.progress_timeout_s,
                                  heartbeat_interval_s=cfg.heartbeat_interval_s),
             log=say)
         decider.publish_initial_plan()
-    agents = [NodeAgent(node, [s for s in specs if s.node == node], argv, base_env, store,
+    agents = [NodeAgent(node, [s for s in specs if s.node == node], argv, base_env, coord,
                         prefix, out=out, use_store=cfg.enabled) for node in my_nodes]
     t0 = time.time()
     say(f"{opts.nodes} node(s) x {opts.procs_per_node} + {opts.spare_nodes if cfg.enabled else 0}"
@@ -210,9 +214,25 @@ def run(opts: LaunchOptions, out=sys.stdout) -> dict:
         a.start()
     failed: Optional[str] = None
     seen_plans = 1
+    next_lid = len(specs)
+    by_node = {a.node: a for a in agents}
     try:
         while True:
             exited = [(a, lid, code) for a in agents for lid, code in a.poll()]
+            if opts.respawn_spares and decider is not None and not decider.finished:
+                for a, lid, code in exited:
+                    dead = decider.procs.get(lid)
+                    if dead is None or dead.state == "done" or code == 0:
+                        continue
+                    spec = WorkerSpec(lid=next_lid, node=dead.node, role="spare", rank=None,
+                                      local_rank=next((w.local_rank for w in a.workers
+                                                       if w.lid == lid), 0))
+                    decider.procs[next_lid] = Proc(lid=next_lid, node=dead.node, role="spare")
+                    prefix[next_lid] = f"n{dead.node} spare{next_lid}"
+                    by_node[dead.node].spawn(spec)
+                    say(f"process {lid} replaced by standby spare {next_lid} on node "
+                        f"{dead.node}")
+                    next_lid += 1
             if decider is None:
                 bad = [(lid, code) for _, lid, code in exited if code != 0]
                 if bad and failed is None:
@@ -230,7 +250,7 @@ def run(opts: LaunchOptions, out=sys.stdout) -> dict:
                     failed = decider.failed_reason
                     break
             if not cfg.enabled or not hosts_store:
-                if cfg.enabled and store.check([st.k("shutdown")]) and not any(
+                if cfg.enabled and coord.shutdown_reason() is not None and not any(
                         a.alive() for a in agents):
                     break
             if not any(a.alive() for a in agents):

@@ -11,7 +11,6 @@ plan of the next generation::
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set
@@ -67,6 +66,8 @@ class Decider:
         self._last_hb_poll = 0.0
         self._fault_time: Optional[float] = None
         self._agent_hb: Dict[int, tuple] = {}  # node -> (last value, when it changed)
+        self.coord = st.Coordinator(self.store, self.token)
+        self.rejected: List[dict] = []  # forged or replayed messages, never acted on
         self._train_t0: Optional[float] = None
 
     # ------------------------------------------------------------------ setup
@@ -78,9 +79,8 @@ class Decider:
         return out
 
     def publish_initial_plan(self) -> dict:
-        self.store.set(st.k("token"), self.token)
         plan = self._plan_dict(0, failed=[], spare_ranks={}, prev=self.node_of_rank())
-        self.store.set(st.k("plan", 0), json.dumps(plan))
+        self.coord.publish_plan(plan)
         self.plans.append(plan)
         return plan
 
@@ -95,7 +95,7 @@ class Decider:
     def step(self) -> None:
         if self.finished:
             return
-        for ev in st.read_events(self.store, self.cursor):
+        for ev in self.coord.read_events(self.cursor):
             self.cursor += 1
             self._on_event(ev)
         now = time.time()
@@ -112,18 +112,26 @@ class Decider:
 
     def _on_event(self, ev: dict) -> None:
         kind = ev["kind"]
+        if kind == "forged":
+            self.rejected.append(ev)
+            claimed = ev.get("claimed", {})
+            self.log(f"ignored an event that is not signed with the job secret "
+                     f"({ev['why']}): {str(claimed)[:120]}")
+            lid, nonce = claimed.get("lid"), claimed.get("nonce")
+            if claimed.get("kind") == "join" and isinstance(lid, int) and isinstance(nonce, str):
+                self.coord.answer_admission(lid, nonce, ok=False, why="wrong job secret")
+            return
         if kind == "join":
             lid = ev["lid"]
-            token = self.store.get(st.k("join", lid)).decode()
-            if token != self.token or lid not in self.procs:
-                self.store.set(st.k("admit", lid), "refused: wrong job token" if token !=
-                               self.token else "refused: unknown process id")
-                self.log(f"refused process {lid}: wrong token or unknown id")
+            if lid not in self.procs:
+                self.coord.answer_admission(lid, ev["nonce"], ok=False,
+                                            why="unknown process id")
+                self.log(f"refused process {lid}: unknown id")
                 return
             self.procs[lid].state = "alive"
             self.procs[lid].hb_change = time.time()
             self.procs[lid].progress_change = time.time()
-            self.store.set(st.k("admit", lid), "ok")
+            self.coord.answer_admission(lid, ev["nonce"], ok=True)
         elif kind == "exit":
             p = self.procs.get(ev["lid"])
             if p is None or p.state in ("dead", "done"):
@@ -199,11 +207,11 @@ class Decider:
         live = [p for p in self.procs.values() if p.state == "alive"]
         if not live:
             return
-        keys = [st.k("hb", p.lid) for p in live]
-        present = [p for p, key in zip(live, keys) if self.store.check([key])]
-        values = self.store.multi_get([st.k("hb", p.lid) for p in present]) if present else []
-        for p, raw in zip(present, values):
-            hb = json.loads(raw.decode())
+        beats = self.coord.heartbeats([p.lid for p in live])
+        for p in live:
+            hb = beats.get(p.lid)
+            if hb is None:
+                continue
             if hb["seq"] != p.hb_seq:
                 p.hb_seq, p.hb_change = hb["seq"], now
             if hb["iteration"] != p.hb_iteration or hb["state"] != "ACTIVE":
@@ -223,10 +231,9 @@ class Decider:
         """A node whose agent heartbeat went stale is lost: all its processes are dead (no
         fencing possible; they can never rejoin since no plan names them again)."""
         for node in sorted({p.node for p in self.procs.values()}):
-            key = st.k("agent_hb", node)
-            if not self.store.check([key]):
+            val = self.coord.agent_heartbeat(node)
+            if val is None:
                 continue
-            val = self.store.get(key)
             last = self._agent_hb.get(node)
             if last is None or last[0] != val:
                 self._agent_hb[node] = (val, now)
@@ -275,8 +282,7 @@ class Decider:
         plan = self._plan_dict(self.gen, failed, {str(r): l for r, l in mapping.items()}, prev)
         plan["t_failure"] = self._failure_t
         plan["detect_s"] = plan["t"] - self._failure_t
-        self.store.set(st.k("plan", self.gen), json.dumps(plan))
-        self.store.add(st.k("gen"), 1)
+        self.coord.publish_plan(plan)
         self.plans.append(plan)
         self.log(f"generation {self.gen}: ranks {failed} -> spares "
                  f"{[mapping[r] for r in failed]} (detected in {plan['detect_s']:.3f}s)")
@@ -285,6 +291,5 @@ class Decider:
         self._fault_time = None
 
     def _shutdown(self, reason: str) -> None:
-        if not self.store.check([st.k("shutdown")]):
-            self.store.set(st.k("shutdown"), reason)
+        if self.coord.set_shutdown(reason):
             self.log(f"shutdown: {reason}")

@@ -18,11 +18,14 @@ it dies, Slurm ends the job anyway, so the coordinator adds no failure domain). 
 from __future__ import annotations
 
 import json
+import secrets
+import socket
 import time
 from datetime import timedelta
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import TokenError
+from . import auth
 
 ROOT = "dp/"
 
@@ -32,59 +35,170 @@ def k(*parts: Any) -> str:
 
 
 def connect(host: str, port: int, timeout_s: float = 60.0, is_master: bool = False):
+    """A client of the job's store; the host (``is_master``) listens on ``host`` only, not
+    on every interface."""
     from torch.distributed import TCPStore
 
+    fd = None
+    if is_master:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+        fd = sock.detach()
     return TCPStore(host, port, is_master=is_master, wait_for_workers=False,
-                    timeout=timedelta(seconds=timeout_s))
+                    timeout=timedelta(seconds=timeout_s), master_listen_fd=fd)
 
 
 def get_json(store, key: str) -> Any:
     return json.loads(store.get(key).decode())
 
 
-def try_get(store, key: str) -> Optional[bytes]:
-    if store.check([key]):
-        return store.get(key)
-    return None
+class Coordinator:
+    """The store as job members use it: every message sealed with the job secret (see
+    ``auth.py``) and opened only if it verifies for its slot. Forged, replayed or unsigned
+    messages are never acted on (events come back as kind "forged")."""
+
+    def __init__(self, store, secret: str):
+        self.raw, self.secret = store, secret
+        self._gen = 0
+
+    # -------------------------------------------------------------- events
+    def push_event(self, kind: str, **fields) -> None:
+        i = self.raw.add(k("events", "n"), 1)
+        self.raw.set(k("events", i), auth.seal(self.secret, {"i": i, "kind": kind,
+                                                             "t": time.time(), **fields}))
+
+    def read_events(self, start: int) -> List[dict]:
+        """Events with index > start (1-based); a message that does not verify becomes
+        {"kind": "forged", "claimed": <its unverified body>, "why": ...}."""
+        n = self.raw.add(k("events", "n"), 0)
+        out = []
+        for i in range(start + 1, n + 1):
+            key = k("events", i)
+            self.raw.wait([key], timedelta(seconds=10))
+            raw = self.raw.get(key)
+            try:
+                out.append(auth.open_(self.secret, raw, i=i))
+            except auth.AuthError as exc:
+                out.append({"kind": "forged", "i": i, "why": str(exc), "claimed": _peek(raw)})
+        return out
+
+    # -------------------------------------------------------------- plans
+    def publish_plan(self, plan: dict) -> None:
+        g = plan["gen"]
+        self.raw.set(k("plan", g), auth.seal(self.secret, plan))
+        self.raw.set(k("latest"), auth.seal(self.secret, {"gen": g}))
+
+    def current_gen(self) -> int:
+        """The newest generation with a valid signed pointer (a forged one is ignored)."""
+        key = k("latest")
+        if self.raw.check([key]):
+            try:
+                self._gen = max(self._gen, int(auth.open_(self.secret, self.raw.get(key))["gen"]))
+            except (auth.AuthError, KeyError, TypeError, ValueError):
+                pass
+        return self._gen
+
+    def get_plan(self, gen: int) -> dict:
+        return auth.open_(self.secret, self.raw.get(k("plan", gen)), gen=gen)
+
+    # -------------------------------------------------------------- admission
+    def request_admission(self, lid: int, timeout_s: float) -> None:
+        """Ask to join; the decider answers with a sealed admission for this request's
+        nonce. Raises TokenError when refused or when the answer is not signed with this
+        process's secret (a wrong DEADPOOL_TOKEN)."""
+        nonce = secrets.token_hex(8)
+        self.push_event("join", lid=lid, nonce=nonce)
+        key = k("admit", lid, nonce)
+        self.raw.wait([key], timedelta(seconds=timeout_s))
+        try:
+            body = auth.open_(self.secret, self.raw.get(key), lid=lid, nonce=nonce)
+        except auth.AuthError:
+            raise TokenError(f"coordinator refused process {lid}: the job secret does not "
+                             "match (wrong DEADPOOL_TOKEN)") from None
+        if not body.get("ok"):
+            raise TokenError(f"coordinator refused process {lid}: {body.get('why')}")
+
+    def answer_admission(self, lid: int, nonce: str, ok: bool, why: str = "") -> None:
+        self.raw.set(k("admit", lid, nonce), auth.seal(
+            self.secret, {"lid": lid, "nonce": nonce, "ok": ok, "why": why}))
+
+    # -------------------------------------------------------------- shutdown
+    def set_shutdown(self, reason: str) -> bool:
+        if self.shutdown_reason() is not None:
+            return False
+        self.raw.set(k("shutdown"), auth.seal(self.secret, {"reason": reason}))
+        return True
+
+    def shutdown_reason(self) -> Optional[str]:
+        key = k("shutdown")
+        if not self.raw.check([key]):
+            return None
+        try:
+            return auth.open_(self.secret, self.raw.get(key))["reason"]
+        except (auth.AuthError, KeyError):
+            return None
+
+    # -------------------------------------------------------------- heartbeats
+    def beat(self, lid: int, **fields) -> None:
+        self.raw.set(k("hb", lid), auth.seal(self.secret, {"lid": lid, **fields}))
+
+    def heartbeats(self, lids: Sequence[int]) -> Dict[int, dict]:
+        present = [lid for lid in lids if self.raw.check([k("hb", lid)])]
+        out = {}
+        if present:
+            for lid, raw in zip(present, self.raw.multi_get([k("hb", x) for x in present])):
+                try:
+                    out[lid] = auth.open_(self.secret, raw, lid=lid)
+                except auth.AuthError:
+                    continue
+        return out
+
+    def agent_beat(self, node: int, seq: int) -> None:
+        self.raw.set(k("agent_hb", node), auth.seal(self.secret, {"node": node, "seq": seq}))
+
+    def agent_heartbeat(self, node: int) -> Optional[int]:
+        key = k("agent_hb", node)
+        if not self.raw.check([key]):
+            return None
+        try:
+            return int(auth.open_(self.secret, self.raw.get(key), node=node)["seq"])
+        except (auth.AuthError, KeyError):
+            return None
+
+    # -------------------------------------------------------------- agent commands
+    def push_command(self, node: int, cmd: dict) -> None:
+        i = self.raw.add(k("cmd", node, "n"), 1)
+        self.raw.set(k("cmd", node, i), auth.seal(self.secret, {**cmd, "node": node, "i": i}))
+
+    def read_commands(self, node: int, start: int) -> Tuple[List[dict], int, int]:
+        """(verified commands after ``start``, new cursor, how many were rejected)."""
+        n = self.raw.add(k("cmd", node, "n"), 0)
+        out, bad = [], 0
+        for i in range(start + 1, n + 1):
+            try:
+                out.append(auth.open_(self.secret, self.raw.get(k("cmd", node, i)),
+                                      node=node, i=i))
+            except auth.AuthError:
+                bad += 1
+        return out, n, bad
 
 
-def push_event(store, kind: str, **fields) -> None:
-    i = store.add(k("events", "n"), 1)
-    store.set(k("events", i), json.dumps({"kind": kind, "t": time.time(), **fields}))
-
-
-def read_events(store, start: int) -> List[dict]:
-    """Events with index > start (indices are 1-based)."""
-    n = store.add(k("events", "n"), 0)
-    out = []
-    for i in range(start + 1, n + 1):
-        key = k("events", i)
-        store.wait([key], timedelta(seconds=10))
-        out.append(json.loads(store.get(key).decode()))
-    return out
-
-
-def request_admission(store, lid: int, token: str, timeout_s: float) -> None:
-    """Present the job token; the decider answers. Raises TokenError when refused."""
-    store.set(k("join", lid), token)
-    push_event(store, "join", lid=lid)
-    key = k("admit", lid)
-    store.wait([key], timedelta(seconds=timeout_s))
-    answer = store.get(key).decode()
-    if answer != "ok":
-        raise TokenError(f"coordinator refused process {lid}: {answer}")
-
-
-def current_gen(store) -> int:
-    return int(store.add(k("gen"), 0))
+def _peek(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw.decode()).get("body")
+        return body if isinstance(body, dict) else {}
+    except (ValueError, AttributeError):
+        return {}
 
 
 class GenerationMoved(Exception):
     """A newer generation was published while this one's world was forming."""
 
 
-def arrive(store, gen: int, world_size: int, timeout_s: float, stop=lambda: None,
-           poll_s: float = 0.2) -> None:
+def arrive(coord: "Coordinator", gen: int, world_size: int, timeout_s: float,
+           stop=lambda: None, poll_s: float = 0.2) -> None:
     """Abortable rendezvous before a generation's world is built: returns once all
     ``world_size`` members of generation ``gen`` arrived; raises GenerationMoved as soon as a
     newer generation exists (a member died meanwhile: nobody waits out a timeout for it).
@@ -92,6 +206,7 @@ def arrive(store, gen: int, world_size: int, timeout_s: float, stop=lambda: None
     "all here" key per generation: O(1) store operations per member and poll."""
     from datetime import timedelta
 
+    store = coord.raw
     done = k("arrived", gen, "all")
     if store.add(k("arrived", gen), 1) == world_size:
         store.set(done, "1")
@@ -102,8 +217,8 @@ def arrive(store, gen: int, world_size: int, timeout_s: float, stop=lambda: None
             return
         except Exception:  # noqa: BLE001 - a wait timeout: check why we are still waiting
             pass
-        if current_gen(store) > gen:
-            raise GenerationMoved(f"generation {current_gen(store)} replaced {gen}")
+        if coord.current_gen() > gen:
+            raise GenerationMoved(f"generation {coord.current_gen()} replaced {gen}")
         stop()
         if time.monotonic() > deadline:
             raise TimeoutError(f"generation {gen}: only {store.add(k('arrived', gen), 0)} of "
