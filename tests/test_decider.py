@@ -100,3 +100,18 @@ def test_no_spare_left_stops_with_committed_iteration():
     reason = _c(store).shutdown_reason()
     assert "no spare left" in reason and "last committed iteration 6" in reason
     assert d.finished and _c(store).current_gen() == 0
+
+
+def test_failure_waits_for_a_starting_spare_then_plans():
+    d, store, _ = _decider(spares=2)
+    for lid in range(8):  # the spares (8, 9) have not joined yet: still starting
+        _join(store, lid)
+    d.step()
+    _c(store).push_event("exit", lid=2, code=-9, node=1)
+    d.step()
+    d.step()
+    assert _c(store).current_gen() == 0 and not d.finished  # waiting, not stopped
+    _join(store, 8)
+    d.step()
+    d.step()
+    assert _c(store).current_gen() == 1 and _c(store).get_plan(1)["spare_ranks"] == {"2": 8}

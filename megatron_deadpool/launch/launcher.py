@@ -202,7 +202,9 @@ def run(opts: LaunchOptions, out=sys.stdout) -> dict:
             send_command=coord.push_command,
             config=DeciderConfig(heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                                  progress_timeout_s=cfg.progress_timeout_s,
-                                 heartbeat_interval_s=cfg.heartbeat_interval_s),
+                                 heartbeat_interval_s=cfg.heartbeat_interval_s,
+                                 starting_spare_wait_s=min(30.0,
+                                                           cfg.rendezvous_timeout_s / 2)),
             log=say)
         decider.publish_initial_plan()
     agents = [NodeAgent(node, [s for s in specs if s.node == node], argv, base_env, coord,

@@ -41,6 +41,9 @@ class DeciderConfig:
     progress_timeout_s: float = 300.0
     heartbeat_interval_s: float = 0.5
     grace_s: float = 0.3
+    # A failure with no idle spare waits this long for spares that are still starting
+    # (e.g. replacements the launcher just started) before the job stops.
+    starting_spare_wait_s: float = 30.0
 
 
 @dataclass
@@ -69,6 +72,7 @@ class Decider:
         self.coord = st.Coordinator(self.store, self.token)
         self.rejected: List[dict] = []  # forged or replayed messages, never acted on
         self._train_t0: Optional[float] = None
+        self._waiting_logged = False
 
     # ------------------------------------------------------------------ setup
     def node_of_rank(self) -> List[int]:
@@ -268,6 +272,15 @@ class Decider:
         try:
             mapping = assign.assign_spares(failed, prev, pool)
         except NoSpareError as exc:
+            starting = [p for p in self.procs.values()
+                        if p.role == "spare" and p.rank is None and p.state == "starting"]
+            if starting and time.time() - self.first_dead_t < self.config.starting_spare_wait_s:
+                if not self._waiting_logged:
+                    self._waiting_logged = True
+                    self.log(f"no idle spare for ranks {failed}: waiting up to "
+                             f"{self.config.starting_spare_wait_s:.0f}s for "
+                             f"{len(starting)} starting spare process(es)")
+                return  # stays pending; planned again on the next step
             committed = max((p.hb_committed for p in self.procs.values()
                              if p.rank is not None and p.state == "alive"), default=-1)
             self._shutdown(f"no spare left: {exc}; last committed iteration {committed}")
@@ -288,6 +301,7 @@ class Decider:
                  f"{[mapping[r] for r in failed]} (detected in {plan['detect_s']:.3f}s)")
         self.pending_dead.clear()
         self.first_dead_t = None
+        self._waiting_logged = False
         self._fault_time = None
 
     def _shutdown(self, reason: str) -> None:
