@@ -1,18 +1,21 @@
 """Coordinator store: key names, connection with the job token, and the event queue.
 
 One TCPStore, hosted by the launcher agent of node 0 (the node that runs the batch step: if
-it dies, Slurm ends the job anyway, so the coordinator adds no failure domain). Keys::
+it dies, Slurm ends the job anyway, so the coordinator adds no failure domain). Every value
+below marked (signed) is sealed with the job secret for its slot (``auth.py``). Keys::
 
-    dp/token                 the job token (only the host writes it)
-    dp/join/{lid}            a process asks to join (value: its token)
-    dp/admit/{lid}           "ok" | "refused: ..."   (written by the decider)
-    dp/gen                   current membership generation (only grows)
-    dp/plan/{g}              JSON plan of generation g
-    dp/hb/{lid}              JSON heartbeat {seq, iteration, committed, state}
-    dp/events/n, dp/events/{i}   append-only event queue read by the decider
-    dp/report/{g}/{rank}     a worker's recovery phase timings for generation g
-    dp/shutdown              set once: the job is over (value: reason)
-    gen{g}/...               torch.distributed rendezvous of generation g (PrefixStore)
+    dp/events/n, dp/events/{i}     append-only event queue read by the decider (signed, i)
+                                   kinds: join, exit, done, fatal, fault_request
+    dp/admit/{lid}/{nonce}         the decider's answer to one join request (signed)
+    dp/latest                      the current generation (signed, only grows)
+    dp/plan/{g}                    JSON plan of generation g (signed, gen)
+    dp/arrived/{g}, .../all        abortable rendezvous before generation g's world forms
+    dp/hb/{lid}, dp/agent_hb/{n}   worker and node-agent heartbeats (signed)
+    dp/cmd/{node}/n, .../{i}       commands for a node agent (signed, node and i)
+    dp/inject/{i}                  a fault of the test schedule was fired (tests only)
+    dp/report/{g}/{rank}           a worker's recovery phase timings for generation g
+    dp/shutdown                    set once: the job is over (signed reason)
+    gen{g}/...                     torch.distributed rendezvous of generation g (PrefixStore)
 """
 
 from __future__ import annotations
