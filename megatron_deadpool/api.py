@@ -109,7 +109,7 @@ class Deadpool:
     @property
     def promoted(self) -> bool:
         """True in a spare process that took a dead rank's id (it walks startup alone)."""
-        return self._runtime is not None and self._runtime._joined_as_spare
+        return self._runtime is not None and self._runtime.promoted
 
     @property
     def restored_meta(self) -> Optional[dict]:

@@ -138,11 +138,19 @@ class Runtime:
                     raise
                 self._log(f"generation {self.gen}: the world did not form "
                           f"({type(exc).__name__}); waiting for the next generation")
-                with self._lock:
-                    self._live_gen = None
-                ab.destroy_world()
-                plan = self._wait_for_plan(self.gen + 1, exc, spare=self.role == "spare")
+                plan = self._next_plan_after(exc)
         raise DeadpoolError(f"the world did not form in {MAX_ATTEMPTS} generations")
+
+    def _next_plan_after(self, exc: BaseException) -> dict:
+        """This generation's world failed to form: drop it, wait for the next plan."""
+        with self._lock:
+            self._live_gen = None
+        ab.destroy_world()
+        return self._wait_for_plan(self.gen + 1, exc, spare=self.role == "spare")
+
+    @property
+    def promoted(self) -> bool:
+        return self._joined_as_spare
 
     def initialize_model_parallel(self) -> None:
         """First build of the model-parallel groups (recorded kwargs in the handle)."""
@@ -151,11 +159,7 @@ class Runtime:
         except Exception as exc:  # noqa: BLE001 - classified right below
             if not is_peer_failure(exc, aborted=False):
                 raise
-            with self._lock:
-                self._live_gen = None
-            ab.destroy_world()
-            self._form_world(self._wait_for_plan(self.gen + 1, exc,
-                                                 spare=self.role == "spare"), with_groups=True)
+            self._form_world(self._next_plan_after(exc), with_groups=True)
         self.after_model_parallel_init()
 
     def _adopt(self, plan: dict) -> None:

@@ -1,6 +1,5 @@
 """Pure policy logic: buddy placement, spare assignment, fault schedule."""
 
-import time
 
 import pytest
 

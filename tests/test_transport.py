@@ -1,6 +1,5 @@
 """Conformance: every mirror transport passes the same test (3 processes)."""
 
-import os
 import socket
 import time
 import traceback
