@@ -1,7 +1,26 @@
 """megatron-deadpool: hot-swap fault tolerance for Megatron-LM training.
 
 Importing this package has no side effects: it does not touch torch.cuda, start
-threads or read the environment. Everything is switched on explicitly.
+threads or read the environment. Everything is switched on explicitly. ``Deadpool`` is
+loaded on first use (it pulls in torch).
 """
 
+from .config import DeadpoolConfig, add_deadpool_args
+from .errors import (ConfigError, DeadpoolError, JobStopped, MirrorCorruptError, MirrorError,
+                     NoCommittedStateError, NoSpareError, RebindAuditError,
+                     StaleGenerationError, StopReason, TokenError, UnsupportedConfigError)
+
 __version__ = "0.1.0"
+
+__all__ = ["Deadpool", "DeadpoolConfig", "add_deadpool_args", "ConfigError", "DeadpoolError",
+           "JobStopped", "MirrorCorruptError", "MirrorError", "NoCommittedStateError",
+           "NoSpareError", "RebindAuditError", "StaleGenerationError", "StopReason",
+           "TokenError", "UnsupportedConfigError"]
+
+
+def __getattr__(name):
+    if name == "Deadpool":
+        from .api import Deadpool
+
+        return Deadpool
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,6 +18,7 @@ callers of exactly these methods:
     dp.shutdown(exc)                 # on an error path: report it, free communicators
 
 With ``config.enabled`` False every call degrades to plain torch.distributed/megatron setup.
+The enabled runtime lives in ``recovery/runtime.py``; this class only wires it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Optional
 
 from .config import DeadpoolConfig
 from .megatron import shard
+from .worker_env import WorkerEnv
 
 
 class Deadpool:
@@ -47,24 +49,53 @@ class Deadpool:
             self.device = torch.device("cpu")
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self._mp_kwargs: Optional[dict] = None
         self._runtime = None  # the enabled runtime (membership, mirror, recovery)
         self.results_dir = os.environ.get("DEADPOOL_RESULTS_DIR")
         self._loss_log = None
 
     # ------------------------------------------------------------------ setup
     @classmethod
-    def start(cls, config: DeadpoolConfig, device: str = "cpu", backend: str = "gloo"
-              ) -> "Deadpool":
+    def start(cls, config: DeadpoolConfig, device: str = "cpu", backend: str = "gloo",
+              env: Optional[WorkerEnv] = None) -> "Deadpool":
+        """Join the job. A standby spare blocks here until it is promoted to a dead rank's
+        id (or exits 0 when the job ends without needing it).
+
+        ``env``: what the launcher told this process (default: ``WorkerEnv.from_env()``);
+        test and benchmark hooks (fault schedule, mirror blocks) arrive through it.
+
+        Raises:
+            DeadpoolError: not started by ``deadpool launch`` (enabled config only).
+            TokenError: the coordinator refused this process (wrong job secret).
+            JobStopped: the job stopped while this process was joining.
+        """
         self = cls(config, device, backend)
         if config.enabled:
-            from .runtime import Runtime
-
-            self._runtime = Runtime(self, config)
+            self._runtime = self._make_runtime(env or WorkerEnv.from_env())
             self._runtime.join()  # spare: blocks until promoted; sets rank/world_size
         else:
             self._init_process_group_plain()
         return self
+
+    def _make_runtime(self, env: WorkerEnv):
+        from .membership import auth
+        from .membership.member import Member
+        from .recovery.phases import EventSink
+        from .recovery.protected import Protected
+        from .recovery.runtime import Runtime
+        from .recovery.world import World
+
+        cfg = self.config
+        member = Member(env.lid, env.node, env.store_host, env.store_port, auth.load_secret(),
+                        cfg.heartbeat_interval_s, cfg.rendezvous_timeout_s)
+        world = World(self.backend, env.store_port, cfg.rendezvous_timeout_s,
+                      cfg.collective_timeout_s, EventSink(cfg.events_path).emit)
+        return Runtime(self, cfg, env, member, world,
+                       Protected(cfg.replicas, cfg.collective_timeout_s))
+
+    def set_rank(self, rank: int, world_size: int) -> None:
+        """This process's rank in the current generation (a spare takes a dead rank's)."""
+        self.rank, self.world_size = rank, world_size
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
 
     def _init_process_group_plain(self) -> None:
         import torch.distributed as dist
@@ -75,15 +106,22 @@ class Deadpool:
                 timeout=timedelta(seconds=self.config.collective_timeout_s))
 
     def initialize_model_parallel(self, **kwargs) -> None:
+        """``parallel_state.initialize_model_parallel(**kwargs)``, recorded and replayed on
+        every rebuild; a peer dying meanwhile is survived."""
         from megatron.core import parallel_state as ps
 
-        self._mp_kwargs = dict(kwargs)
         if self._runtime is not None:
-            self._runtime.initialize_model_parallel()  # a peer dying meanwhile is survived
+            self._runtime.initialize_model_parallel(kwargs)
         else:
             ps.initialize_model_parallel(**kwargs)
 
     def attach(self, model, optimizer, scheduler=None, train_state=None) -> None:
+        """Protect these objects. A promoted spare returns from here restored.
+
+        Raises:
+            UnsupportedConfigError: a model feature whose groups cannot be rebound, or an
+                optimizer that is not Megatron's distributed optimizer.
+        """
         shard.distributed_optimizers(optimizer)  # refuses a non-distributed optimizer early
         if self._runtime is not None:
             self._runtime.attach(model, optimizer, scheduler, train_state)
@@ -114,9 +152,19 @@ class Deadpool:
     @property
     def restored_meta(self) -> Optional[dict]:
         """The snapshot metadata of the last restore (RNG, counters), or None."""
-        return self._runtime.restored_meta if self._runtime is not None else None
+        return self._runtime.att.restored_meta if self._runtime is not None else None
 
     def recover(self, exc: BaseException) -> None:
+        """The recovery boundary: call from the one ``except`` around the loop body.
+
+        Returns with this rank restored to the last committed iteration on a rebuilt
+        world (``train_state.iteration`` etc. restored).
+
+        Raises:
+            exc itself: a local error (not backed by a membership change), at once.
+            JobStopped: the job stopped (no spare left, or a rank's fatal error).
+            NoCommittedStateError: a rank and every holder of its copy are gone.
+        """
         if self._runtime is None:
             raise exc
         self._runtime.recover(exc)
@@ -142,7 +190,7 @@ class Deadpool:
         (RNG states, iteration, consumed samples, scheduler, grad scaler)."""
         import torch.distributed as dist
 
-        from .megatron import state as state_io
+        from .megatron import train_state as state_io
 
         resume = None
         if train_state is not None:

@@ -8,7 +8,6 @@ timed unit test.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import tempfile
@@ -16,6 +15,7 @@ from typing import List, Optional
 
 from .demo import DEMO_FLAGS
 from .launch.launcher import LaunchOptions, run
+from .launch.summary import read_rank_results
 from .recovery.phases import PHASE_ORDER
 
 WARMUP_ITERS = 3
@@ -23,10 +23,7 @@ WARMUP_ITERS = 3
 
 def _step_times(results_dir: str, world_size: int) -> List[float]:
     """Per iteration, the slowest rank's step time (what the job waits for)."""
-    per_rank = []
-    for r in range(world_size):
-        with open(os.path.join(results_dir, f"rank{r}.json")) as f:
-            per_rank.append(json.load(f)["step_s"])
+    per_rank = [x["step_s"] for x in read_rank_results(results_dir, world_size)]
     return [max(xs) for xs in zip(*per_rank)][WARMUP_ITERS:]
 
 
@@ -94,19 +91,12 @@ def in_run(argv: List[str], nodes: int, procs_per_node: int, block: int = 3) -> 
     dropped (it still carries the previous block's mode: snapshot k is paid for in step k+1).
     Measures the snapshot and exchange only; the runtime's threads run in both modes."""
     work = tempfile.mkdtemp(prefix="deadpool-bench-inrun-")
-    os.environ["DEADPOOL_BENCH_BLOCK"] = str(block)
-    try:
-        s = run(LaunchOptions(nodes=nodes, procs_per_node=procs_per_node, results_dir=work,
-                              trainer_argv=argv + ["--deadpool"], quiet=True),
-                out=open(os.path.join(work, "workers.log"), "a"))
-    finally:
-        del os.environ["DEADPOOL_BENCH_BLOCK"]
+    s = run(LaunchOptions(nodes=nodes, procs_per_node=procs_per_node, results_dir=work,
+                          trainer_argv=argv + ["--deadpool"], quiet=True, bench_block=block),
+            out=open(os.path.join(work, "workers.log"), "a"))
     if not s["ok"]:
         raise RuntimeError(f"in-run benchmark failed: {s['error']}")
-    per_rank = []
-    for r in range(nodes * procs_per_node):
-        with open(os.path.join(work, f"rank{r}.json")) as f:
-            per_rank.append(json.load(f))
+    per_rank = read_rank_results(work, nodes * procs_per_node)
     steps = [max(xs) for xs in zip(*(x["step_s"] for x in per_rank))]
     modes = per_rank[0]["bench_modes"]
     by = {"on": [], "off": []}

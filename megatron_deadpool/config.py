@@ -67,6 +67,27 @@ class DeadpoolConfig:
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
+    def decider(self) -> "DeciderConfig":
+        """The decider's settings, derived (never repeated)."""
+        return DeciderConfig(heartbeat_timeout_s=self.heartbeat_timeout_s,
+                             progress_timeout_s=self.progress_timeout_s,
+                             heartbeat_interval_s=self.heartbeat_interval_s,
+                             starting_spare_wait_s=min(30.0, self.rendezvous_timeout_s / 2))
+
+
+@dataclass(frozen=True)
+class DeciderConfig:
+    """What the decider needs; made by :meth:`DeadpoolConfig.decider` (tests build it
+    directly with short timeouts)."""
+
+    heartbeat_timeout_s: float = 5.0
+    progress_timeout_s: float = 300.0
+    heartbeat_interval_s: float = 0.5
+    grace_s: float = 0.3  # after the first death: collect the rest of the node
+    # A failure with no idle spare waits this long for spares that are still starting
+    # (e.g. replacements the launcher just started) before the job stops.
+    starting_spare_wait_s: float = 30.0
+
 
 def _flag(field_name: str) -> str:
     return "--deadpool-" + field_name.replace("_s", "").replace("_", "-")

@@ -54,7 +54,7 @@ def timeline_table(recoveries) -> str:
     lines = []
     for i, r in enumerate(recoveries):
         lines.append(f"recovery {i + 1}: ranks {r['failed_ranks']} -> spare processes "
-                     f"{r['spare_ranks']}; restored iteration {r['restored_iter']}, "
+                     f"{r['spare_of_rank']}; restored iteration {r['restored_iter']}, "
                      f"{r['recomputed_iters']} iteration(s) redone")
         lines.append(f"  {'phase':<16}{'seconds':>10}")
         for ph in PHASE_ORDER:

@@ -1,5 +1,7 @@
 """Typed errors. Each carries a message meant for the operator, not a traceback wall."""
 
+import enum
+
 
 class DeadpoolError(Exception):
     """Base class of every error raised on purpose by megatron-deadpool."""
@@ -11,6 +13,10 @@ class ConfigError(DeadpoolError, ValueError):
 
 class UnsupportedConfigError(ConfigError):
     """A Megatron feature whose process groups cannot be rebound at runtime."""
+
+
+class MirrorError(DeadpoolError):
+    """A mirror job (snapshot, transfer, commit) failed: a peer failure for recovery."""
 
 
 class MirrorCorruptError(DeadpoolError):
@@ -35,3 +41,39 @@ class StaleGenerationError(DeadpoolError):
 
 class RebindAuditError(DeadpoolError):
     """A reference to a process group of an old generation is still reachable."""
+
+
+class StopReason(str, enum.Enum):
+    """Why the coordinator stopped the job (the prefix of its shutdown message)."""
+
+    COMPLETE = "complete"
+    NO_SPARE = "no spare left"
+    FATAL = "fatal"          # a local error on one rank
+    INTERRUPTED = "interrupted"
+    OTHER = "stopped"
+
+    @classmethod
+    def of(cls, message: str) -> "StopReason":
+        for r in cls:
+            if message.startswith(r.value) or (r is cls.FATAL and " stopped: " in message):
+                return r
+        return cls.OTHER
+
+
+class JobStopped(DeadpoolError):
+    """Terminal: the coordinator stopped the job while this process was in it."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.reason = StopReason.of(message)
+
+
+class NoSpareStopped(JobStopped, NoSpareError):
+    """The job stopped because a failure found no spare left."""
+
+
+def stopped(message: str) -> JobStopped:
+    """The terminal error for a shutdown ``message`` from the coordinator."""
+    if StopReason.of(message) is StopReason.NO_SPARE:
+        return NoSpareStopped(message)
+    return JobStopped(message)

@@ -1,12 +1,24 @@
 """The decider against an in-memory store: admission by token, plans on failure, fencing,
 lost nodes, and the no-spare stop. No processes are started."""
 
-import time
-
 import torch.distributed as dist
 
 from megatron_deadpool.membership import store as st
-from megatron_deadpool.membership.decider import Decider, DeciderConfig, Proc
+from megatron_deadpool.config import DeciderConfig
+from megatron_deadpool.membership.decider import Decider, Proc
+
+
+class Clock:
+    """The decider's injected clock: tests advance it instead of sleeping."""
+
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+    def advance(self, dt):
+        self.t += dt
 
 
 def _decider(spares=2, hb_timeout=0.5):
@@ -15,10 +27,12 @@ def _decider(spares=2, hb_timeout=0.5):
     for i in range(spares):
         procs[8 + i] = Proc(lid=8 + i, node=4 + i // 2, role="spare")
     cmds = []
-    d = Decider(store=store, procs=procs, world_size=8, token="secret", faults=[],
+    clock = Clock()
+    d = Decider(store=store, procs=procs, world_size=8, token="secret",
                 send_command=lambda node, cmd: cmds.append((node, cmd)),
                 config=DeciderConfig(heartbeat_timeout_s=hb_timeout, heartbeat_interval_s=0.1,
-                                     grace_s=0.0), log=lambda m: None)
+                                     grace_s=0.0), log=lambda m: None, clock=clock)
+    d.clock_ = clock
     d.publish_initial_plan()
     return d, store, cmds
 
@@ -41,7 +55,7 @@ def test_wrong_token_is_refused():
     _join(store, 0)
     _join(store, 1, token="guess")
     d.step()
-    assert _c(store).get_plan(0)["gen"] == 0
+    assert _c(store).get_plan(0).gen == 0
     from megatron_deadpool.membership import auth
 
     ok = auth.open_("secret", store.get(st.k("admit", 0, "n0")), lid=0, nonce="n0")
@@ -62,9 +76,9 @@ def test_exit_produces_next_generation_plan():
     d.step()
     assert _c(store).current_gen() == 1
     plan = _c(store).get_plan(1)
-    assert plan["failed_ranks"] == [2, 3] and plan["spare_ranks"] == {"2": 8, "3": 9}
-    assert plan["rank_of"]["8"] == 2 and "2" not in plan["rank_of"]
-    assert plan["node_of_rank"][2] == 4 and plan["prev_node_of_rank"][2] == 1
+    assert plan.failed_ranks == (2, 3) and plan.spare_of_rank == {2: 8, 3: 9}
+    assert plan.rank_of[8] == 2 and 2 not in plan.rank_of
+    assert plan.node_of_rank[2] == 4 and plan.prev_node_of_rank[2] == 1
 
 
 def test_stale_heartbeat_is_fenced_then_replaced():
@@ -77,13 +91,13 @@ def test_stale_heartbeat_is_fenced_then_replaced():
         for lid in range(10):
             if lid != 5:
                 _beat(store, lid, seq)
-        time.sleep(0.05)
+        d.clock_.advance(0.05)
         d.step()
         if _c(store).current_gen() == 1:
             break
     assert any(c == {"op": "signal", "signal": "SIGKILL", "lids": [5]} for _, c in cmds)
     plan = _c(store).get_plan(1)
-    assert plan["failed_ranks"] == [5]
+    assert plan.failed_ranks == (5,)
 
 
 def test_no_spare_left_stops_with_committed_iteration():
@@ -92,7 +106,7 @@ def test_no_spare_left_stops_with_committed_iteration():
         _join(store, lid)
         _beat(store, lid, 1, iteration=7)
     d.step()
-    time.sleep(0.06)
+    d.clock_.advance(0.06)
     d.step()
     _c(store).push_event("exit", lid=6, code=-9, node=3)
     d.step()
@@ -114,4 +128,4 @@ def test_failure_waits_for_a_starting_spare_then_plans():
     _join(store, 8)
     d.step()
     d.step()
-    assert _c(store).current_gen() == 1 and _c(store).get_plan(1)["spare_ranks"] == {"2": 8}
+    assert _c(store).current_gen() == 1 and _c(store).get_plan(1).spare_of_rank == {2: 8}

@@ -31,7 +31,7 @@ def test_node_killed(tmp_path, reference):
     assert s["faults"][0]["kind"] == "kill" and s["faults"][0]["ranks"] == [2, 3]
     assert s["faults"][0]["at_iter"] == 6
     (rec,) = s["recoveries"]
-    assert rec["failed_ranks"] == [2, 3] and rec["spare_ranks"] == {"2": 8, "3": 9}
+    assert rec["failed_ranks"] == [2, 3] and rec["spare_of_rank"] == {"2": 8, "3": 9}
     ev = [json.loads(x) for x in events.read_text().splitlines()]
     assert {e["phase"] for e in ev if e["event"] == "phase"} >= set(PHASE_ORDER) - {"detect"}
     audits = [e for e in ev if e["event"] == "audit"]
@@ -56,8 +56,8 @@ def test_two_successive_failures_with_two_spare_nodes(tmp_path, reference):
     _check_ok(p, s, reference(FLAGS))
     r1, r2 = s["recoveries"]
     assert r1["failed_ranks"] == [2, 3] and r2["failed_ranks"] == [6, 7]
-    assert set(r1["spare_ranks"].values()) == {8, 9}
-    assert set(r2["spare_ranks"].values()) == {10, 11}
+    assert set(r1["spare_of_rank"].values()) == {8, 9}
+    assert set(r2["spare_of_rank"].values()) == {10, 11}
 
 
 @pytest.mark.ci

@@ -1,12 +1,12 @@
-"""Fault schedule (megatron_deadpool.launch.inject): parsing, JSON, validation, targets."""
+"""Fault schedule (megatron_deadpool.faults): parsing, JSON, validation, targets."""
 
 import dataclasses
 
 import pytest
 
 from megatron_deadpool.errors import ConfigError
-from megatron_deadpool.launch import inject
-from megatron_deadpool.launch.inject import Fault
+from megatron_deadpool import faults as inject
+from megatron_deadpool.faults import Fault
 
 
 @pytest.mark.parametrize("spec,expected", [

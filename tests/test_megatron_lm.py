@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_deadpool.errors import ConfigError
-from megatron_deadpool.megatron import lm, tree
+from megatron_deadpool.megatron import lm_rules, tree
 from mlm import REPO, apply_patches, pristine_tree
 
 PATCHES = sorted((REPO / "patches").glob("[0-9][0-9][0-9][0-9]-*.patch"))
@@ -105,7 +105,7 @@ def _args(**kw):
 
 
 def test_supported_config_passes():
-    assert lm.unsupported_args(_args()) == []
+    assert lm_rules.unsupported_args(_args()) == []
 
 
 @pytest.mark.parametrize("kw, needle", [
@@ -129,33 +129,33 @@ def test_supported_config_passes():
     (dict(dataloader_type="external"), "--dataloader-type external"),
 ])
 def test_each_refusal_names_its_flag(kw, needle):
-    found = lm.unsupported_args(_args(**kw))
+    found = lm_rules.unsupported_args(_args(**kw))
     assert len(found) == 1 and needle in found[0], found
 
 
 def test_megatron_version_rule():
-    lm.check_megatron_version("0.16.1")
+    lm_rules.check_megatron_version("0.16.1")
     with pytest.raises(ConfigError, match="core_v0.16.1"):
-        lm.check_megatron_version("0.15.0")
+        lm_rules.check_megatron_version("0.15.0")
 
 
 def test_cpu_flags_added_only_when_missing():
-    out = lm.cpu_flags(["--num-layers", "2", "--transformer-impl", "transformer_engine",
+    out = lm_rules.cpu_flags(["--num-layers", "2", "--transformer-impl", "transformer_engine",
                         "--num-workers=2"])
     assert out[:4] == ["--num-layers", "2", "--transformer-impl", "transformer_engine"]
     assert out.count("--transformer-impl") == 1 and "--num-workers" not in out
     for flag in ("--distributed-backend", "--no-gradient-accumulation-fusion",
                  "--no-rope-fusion", "--eval-iters"):
         assert flag in out
-    full = lm.cpu_flags([])
-    assert lm.cpu_flags(full) == full  # idempotent
+    full = lm_rules.cpu_flags([])
+    assert lm_rules.cpu_flags(full) == full  # idempotent
 
 
 def test_unsupported_argv_matches_the_parsed_rules():
-    assert lm.unsupported_argv(["--use-distributed-optimizer", "--num-layers", "2"]) == []
-    assert lm.unsupported_argv([]) == [lm.unsupported_args(_args(
+    assert lm_rules.unsupported_argv(["--use-distributed-optimizer", "--num-layers", "2"]) == []
+    assert lm_rules.unsupported_argv([]) == [lm_rules.unsupported_args(_args(
         use_distributed_optimizer=False))[0]]
-    bad = lm.unsupported_argv(["--use-distributed-optimizer", "--overlap-grad-reduce",
+    bad = lm_rules.unsupported_argv(["--use-distributed-optimizer", "--overlap-grad-reduce",
                                "--num-layers-per-virtual-pipeline-stage", "2",
                                "--context-parallel-size", "2"])
     assert len(bad) == 3 and "virtual pipeline" in bad[1]

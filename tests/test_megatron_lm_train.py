@@ -71,7 +71,7 @@ def test_hot_swap_in_the_real_script(run, tmp_path):
     s = run("deadpool-kill", "patched", FLAGS + ["--deadpool"], spares=1,
             inject=["kill:node=1@iter=7"])
     (rec,) = s["recoveries"]
-    assert rec["failed_ranks"] == [2, 3] and rec["spare_ranks"] == {"2": 8, "3": 9}
+    assert rec["failed_ranks"] == [2, 3] and rec["spare_of_rank"] == {"2": 8, "3": 9}
     assert rec["restored_iter"] in (5, 6) and rec["recomputed_iters"] <= 1
     assert set(rec["phases_s"]) == set(PHASE_ORDER) and rec["ranks_reported"] == 8
     assert s["faults"][0]["ranks"] == [2, 3] and s["faults"][0]["at_iter"] == 7

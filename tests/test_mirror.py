@@ -22,7 +22,7 @@ def test_rank_killed_during_optimizer_restores_from_buddy(tmp_path, reference, t
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
     (rec,) = s["recoveries"]
     assert rec["failed_ranks"] == [victim]
-    assert rec["spare_ranks"] == {str(victim): 8}
+    assert rec["spare_of_rank"] == {str(victim): 8}
     assert rec["restored_iter"] in (5, 6) and rec["recomputed_iters"] <= 1
     assert s["final_state_sha256"] == ref["final_state_sha256"]
     assert s["losses"] == ref["losses"]

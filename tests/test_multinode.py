@@ -49,5 +49,5 @@ def test_one_agent_per_node_with_spare_node(tmp_path, reference):
     s = json.loads((tmp_path / "node0.json").read_text())
     assert s["final_state_sha256"] == ref["final_state_sha256"]
     (rec,) = s["recoveries"]
-    assert rec["failed_ranks"] == [1] and rec["spare_ranks"] == {"1": 2}
+    assert rec["failed_ranks"] == [1] and rec["spare_of_rank"] == {"1": 2}
     assert not (tmp_path / "node1.json").exists()  # only node 0 writes the summary

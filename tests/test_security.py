@@ -2,6 +2,7 @@
 plan, declare a process dead, stop the job or command an agent; replays are rejected; the
 secret never enters the store."""
 
+import dataclasses
 import json
 
 import pytest
@@ -11,7 +12,9 @@ from megatron_deadpool.errors import TokenError
 from megatron_deadpool.launch.agent import NodeAgent
 from megatron_deadpool.membership import auth
 from megatron_deadpool.membership import store as st
-from megatron_deadpool.membership.decider import Decider, DeciderConfig, Proc
+from megatron_deadpool.config import DeciderConfig
+from megatron_deadpool.membership.decider import Decider, Proc
+from megatron_deadpool.worker_env import WorkerEnv
 
 SECRET = "the-job-secret"
 
@@ -21,7 +24,7 @@ def _job():
     procs = {r: Proc(lid=r, node=r // 2, role="active", rank=r) for r in range(4)}
     procs[4] = Proc(lid=4, node=2, role="spare")
     cmds = []
-    d = Decider(store=store, procs=procs, world_size=4, token=SECRET, faults=[],
+    d = Decider(store=store, procs=procs, world_size=4, token=SECRET,
                 send_command=lambda node, cmd: cmds.append((node, cmd)),
                 config=DeciderConfig(grace_s=0.0), log=lambda m: None)
     d.publish_initial_plan()
@@ -44,7 +47,7 @@ def test_secret_never_enters_the_store():
 def test_foreign_client_cannot_publish_a_plan():
     d, store, member, _ = _job()
     forger = st.Coordinator(store, "guessed")
-    plan = dict(member.get_plan(0), gen=1, failed_ranks=[0])
+    plan = dataclasses.replace(member.get_plan(0), gen=1, failed_ranks=(0,))
     forger.publish_plan(plan)
     assert member.current_gen() == 0  # the forged pointer is ignored
     with pytest.raises(auth.AuthError):
@@ -76,7 +79,8 @@ def test_foreign_client_cannot_declare_a_process_dead_or_stop_the_job():
 
 def test_foreign_client_cannot_command_an_agent(monkeypatch):
     store = dist.HashStore()
-    agent = NodeAgent(0, [], ["true"], {}, st.Coordinator(store, SECRET), {}, out=open("/dev/null", "w"))
+    agent = NodeAgent(0, [], ["true"], {}, WorkerEnv(), st.Coordinator(store, SECRET), {},
+                      out=open("/dev/null", "w"))
     signals = []
     monkeypatch.setattr(agent, "signal", lambda lid, sig: signals.append((lid, sig)))
     st.Coordinator(store, "guessed").push_command(0, {"op": "signal", "signal": "SIGKILL",

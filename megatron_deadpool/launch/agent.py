@@ -14,10 +14,12 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional
 
 from ..membership import store as st
+from ..membership.store import CommandOp, EventKind
+from ..worker_env import WorkerEnv
 
 
 @dataclass
@@ -31,10 +33,11 @@ class WorkerSpec:
 
 class NodeAgent:
     def __init__(self, node: int, workers: List[WorkerSpec], argv: List[str], base_env: dict,
-                 coord: Optional[st.Coordinator], prefix_map: Dict[int, str], out=sys.stdout,
-                 use_store: bool = True):
+                 job_env: WorkerEnv, coord: Optional[st.Coordinator], prefix_map: Dict[int, str],
+                 out=sys.stdout, use_store: bool = True):
         self.node, self.workers, self.argv = node, workers, argv
-        self.base_env, self.coord, self.prefix_map = base_env, coord, prefix_map
+        self.base_env, self.job_env = base_env, job_env
+        self.coord, self.prefix_map = coord, prefix_map
         self.rejected_commands = 0
         self.out = out
         self.use_store = use_store
@@ -55,12 +58,8 @@ class NodeAgent:
         if w not in self.workers:
             self.workers.append(w)
         env = dict(self.base_env)
-        env.update({"DEADPOOL_LID": str(w.lid), "DEADPOOL_NODE": str(self.node),
-                    "DEADPOOL_ROLE": w.role, "LOCAL_RANK": str(w.local_rank)})
-        if w.rank is not None:
-            env["RANK"] = str(w.rank)
-        else:
-            env.pop("RANK", None)
+        env.update(replace(self.job_env, lid=w.lid, node=self.node, role=w.role,
+                           local_rank=w.local_rank, rank=w.rank).to_env())
         p = subprocess.Popen(self.argv, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              start_new_session=True)
@@ -87,7 +86,7 @@ class NodeAgent:
                 self.exit_codes[lid] = code
                 exited.append((lid, code))
                 if self.use_store:
-                    self.coord.push_event("exit", lid=lid, code=code, node=self.node)
+                    self.coord.push_event(EventKind.EXIT, lid=lid, code=code, node=self.node)
         if self.use_store:
             self._run_commands()
             now = time.monotonic()
@@ -105,7 +104,7 @@ class NodeAgent:
                 self.out.write(f"[agent n{self.node}] ignored {bad} command(s) not signed with "
                                "the job secret\n")
         for cmd in cmds:
-            if cmd["op"] == "signal":
+            if cmd["op"] == CommandOp.SIGNAL:
                 sig = getattr(signal, cmd["signal"])
                 for lid in cmd["lids"]:
                     self.signal(lid, sig)

@@ -1,157 +1,57 @@
 """``deadpool launch``: start worker processes grouped into nodes, locally (every node
-simulated on this machine) or as the agent of one real node (``--node-rank``).
+simulated on this machine) or as the agent of one real node (``--node-rank``), and supervise
+them until the job ends. Node 0's agent hosts the coordinator store, the decider and the
+fault driver::
 
-Process ids ("lid"): active ranks take lids 0..W-1 (lid == initial global rank, node =
-lid // procs_per_node); spare processes take lids W.. on nodes N..N+S-1. Node 0's agent
-hosts the coordinator store and the decider.
+    validate ─► store + decider (node 0) ─► agents start workers ─► supervise loop:
+        agent.poll (exits, commands, heartbeat) ─► decider.step ─► fault driver
+        ─► [respawn replaced processes as spares] ─► until every worker has exited
+    ─► summary (``summary.py``)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import secrets
-import socket
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from ..config import add_deadpool_args, DeadpoolConfig
-from ..errors import ConfigError
 from ..membership import store as st
-from ..membership.decider import Decider, DeciderConfig, Proc
-from . import inject
+from ..membership.decider import Decider, Proc, Role
+from ..worker_env import WorkerEnv
 from .agent import NodeAgent, WorkerSpec
+from .fault_driver import FaultDriver
+from .options import LaunchOptions, free_port, validate, worker_command, worker_specs
+from .summary import build_summary
+
+__all__ = ["LaunchOptions", "run"]
 
 
 @dataclass
-class LaunchOptions:
-    nodes: int
-    procs_per_node: int
-    spare_nodes: int = 0
-    node_rank: Optional[int] = None
-    master_addr: str = "127.0.0.1"
-    master_port: Optional[int] = None
-    summary_json: Optional[str] = None
-    script: Optional[str] = None
-    inject: List[str] = field(default_factory=list)
-    results_dir: Optional[str] = None
-    trainer_argv: List[str] = field(default_factory=list)
-    quiet: bool = False
-    device: Optional[str] = None  # cpu | cuda; None: the trainer's own default
-    # Simulated nodes only: a process that died is replaced by a fresh standby spare on
-    # the same node (the node "returns"), so the spare pool stays topped up (soak).
-    respawn_spares: bool = False
+class Job:
+    """One launch, as the supervision loop sees it."""
 
-
-    def __post_init__(self):
-        if self.nodes < 1 or self.procs_per_node < 1:
-            raise ConfigError("--nodes and --procs-per-node must be >= 1")
-        if self.spare_nodes < 0:
-            raise ConfigError("--spare-nodes must be >= 0")
-        total = self.nodes + self.spare_nodes
-        if self.node_rank is not None and not 0 <= self.node_rank < total:
-            raise ConfigError(f"--node-rank {self.node_rank} is outside 0..{total - 1}")
-        if self.device not in (None, "cpu", "cuda"):
-            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
+    opts: LaunchOptions
+    cfg: object
+    say: object
+    agents: List[NodeAgent]
+    prefix: Dict[int, str]
+    store: object = None
+    coord: Optional[st.Coordinator] = None
+    decider: Optional[Decider] = None
+    driver: Optional[FaultDriver] = None
+    failed: Optional[str] = None
+    next_lid: int = 0
+    seen_plans: int = 1
+    env: WorkerEnv = field(default_factory=WorkerEnv)
 
     @property
-    def world_size(self) -> int:
-        return self.nodes * self.procs_per_node
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _deadpool_config(argv: List[str]) -> DeadpoolConfig:
-    p = argparse.ArgumentParser(add_help=False)
-    add_deadpool_args(p)
-    known, _ = p.parse_known_args(argv)
-    return DeadpoolConfig.from_args(known)
-
-
-def validate(opts: LaunchOptions):
-    """Reject bad input once, before anything starts. Returns (deadpool config, faults)."""
-    if opts.script is None:
-        from ..trainer.args import parse_args, validate as validate_trainer
-
-        targs = validate_trainer(parse_args(opts.trainer_argv), opts.world_size)
-        cfg, train_iters = targs.deadpool_config, targs.train_iters
-    else:
-        if not os.path.exists(opts.script):
-            raise ConfigError(f"--script {opts.script} does not exist")
-        cfg, train_iters = _deadpool_config(opts.trainer_argv), _flag_int(
-            opts.trainer_argv, "--train-iters")
-    if opts.script is not None and cfg.enabled:
-        from ..megatron import tree
-
-        root = os.path.dirname(os.path.abspath(opts.script))
-        if tree.is_megatron_tree(root):
-            tree.check_for_deadpool(root)
-            from ..errors import UnsupportedConfigError
-            from ..megatron.lm import unsupported_argv
-
-            bad = unsupported_argv(opts.trainer_argv)
-            if bad:
-                raise UnsupportedConfigError("--deadpool does not support: " + "; ".join(bad))
-    faults = inject.parse_schedule(opts.inject)
-    if faults and not cfg.enabled:
-        raise ConfigError("--inject needs --deadpool in the trainer flags")
-    if faults:
-        inject.validate_schedule(faults, total_nodes=opts.nodes + opts.spare_nodes,
-                                 world_size=opts.world_size,
-                                 train_iters=train_iters if train_iters else 10**9)
-    if cfg.enabled and opts.nodes < cfg.replicas + 1:
-        raise ConfigError(f"--deadpool-replicas {cfg.replicas} needs at least "
-                          f"{cfg.replicas + 1} nodes (got --nodes {opts.nodes})")
-    return cfg, faults
-
-
-def _flag_int(argv: List[str], flag: str) -> Optional[int]:
-    for i, x in enumerate(argv[:-1]):
-        if x == flag:
-            try:
-                return int(argv[i + 1])
-            except ValueError:
-                raise ConfigError(f"{flag} needs an integer, got {argv[i + 1]!r}") from None
-    return None
-
-
-def worker_command(opts: LaunchOptions) -> List[str]:
-    """The worker's command line. The reference trainer runs as a module; ``--script`` runs
-    through the child wrapper (``launch/child.py``), which in CPU mode gets the CPU-only
-    Megatron-LM flags that are missing (``megatron.lm.CPU_FLAGS``)."""
-    if opts.script is None:
-        argv = list(opts.trainer_argv)
-        if opts.device and "--device" not in argv:
-            argv += ["--device", opts.device]
-        return [sys.executable, "-m", "megatron_deadpool.trainer.gpt", *argv]
-    from ..megatron import lm
-
-    cmd = [sys.executable, "-m", "megatron_deadpool.launch.child"]
-    argv = list(opts.trainer_argv)
-    if opts.device:
-        cmd += ["--device", opts.device]
-    if opts.device == "cpu":
-        argv = lm.cpu_flags(argv)
-    return [*cmd, os.path.abspath(opts.script), *argv]
-
-
-def worker_specs(opts: LaunchOptions, with_spares: bool) -> List[WorkerSpec]:
-    W, P = opts.world_size, opts.procs_per_node
-    specs = [WorkerSpec(lid=r, node=r // P, role="active", rank=r, local_rank=r % P)
-             for r in range(W)]
-    if with_spares:
-        for i in range(opts.spare_nodes * P):
-            specs.append(WorkerSpec(lid=W + i, node=opts.nodes + i // P, role="spare",
-                                    rank=None, local_rank=i % P))
-    return specs
+    def hosts_store(self) -> bool:
+        return self.opts.node_rank is None or self.opts.node_rank == 0
 
 
 def run(opts: LaunchOptions, out=sys.stdout) -> dict:
@@ -161,6 +61,29 @@ def run(opts: LaunchOptions, out=sys.stdout) -> dict:
                                                                flush=True))
     if opts.spare_nodes and not cfg.enabled:
         say("warning: --spare-nodes ignored: spares are only started with --deadpool")
+    job = _setup(opts, cfg, faults, say, out)
+    t0 = time.time()
+    say(f"{opts.nodes} node(s) x {opts.procs_per_node} + {opts.spare_nodes if cfg.enabled else 0}"
+        f" spare node(s); world size {opts.world_size}; results in {job.env.results_dir}")
+    for a in job.agents:
+        a.start()
+    try:
+        _supervise(job)
+    except KeyboardInterrupt:
+        job.failed = "interrupted"
+    finally:
+        _wind_down(job)
+    codes = {lid: code for a in job.agents for lid, code in a.exit_codes.items()}
+    summary = build_summary(opts, cfg, job.env.results_dir, job.decider, job.store, codes,
+                            job.failed, time.time() - t0,
+                            fault_records=job.driver.records if job.driver else ())
+    if opts.summary_json and job.hosts_store:
+        with open(opts.summary_json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary
+
+
+def _setup(opts: LaunchOptions, cfg, faults, say, out) -> Job:
     local = opts.node_rank is None
     if opts.master_port is None:
         opts.master_port = free_port() if local else 29500
@@ -169,199 +92,105 @@ def run(opts: LaunchOptions, out=sys.stdout) -> dict:
     os.makedirs(results_dir, exist_ok=True)
     token = os.environ.get("DEADPOOL_TOKEN") or secrets.token_hex(16)
     specs = worker_specs(opts, with_spares=cfg.enabled)
-    my_nodes = sorted({s.node for s in specs}) if local else [opts.node_rank]
-    hosts_store = local or opts.node_rank == 0
-
-    store = coord = None
+    job = Job(opts=opts, cfg=cfg, say=say, agents=[], next_lid=len(specs),
+              prefix={s.lid: (f"n{s.node} r{s.rank}" if s.rank is not None
+                              else f"n{s.node} spare{s.lid}") for s in specs},
+              env=WorkerEnv(store_host=opts.master_addr, store_port=store_port,
+                            results_dir=results_dir, faults=faults,
+                            bench_block=opts.bench_block, world_size=opts.world_size,
+                            master_addr=opts.master_addr, master_port=opts.master_port))
     if cfg.enabled:
-        store = st.connect(opts.master_addr, store_port, timeout_s=cfg.rendezvous_timeout_s,
-                           is_master=hosts_store)
-        coord = st.Coordinator(store, token)
-    base_env = dict(os.environ)
-    base_env.update({
-        "MASTER_ADDR": opts.master_addr, "MASTER_PORT": str(opts.master_port),
-        "WORLD_SIZE": str(opts.world_size), "DEADPOOL_TOKEN": token,
-        "DEADPOOL_STORE_HOST": opts.master_addr, "DEADPOOL_STORE_PORT": str(store_port),
-        "DEADPOOL_INJECT": inject.to_json(faults), "DEADPOOL_RESULTS_DIR": results_dir,
-        "PYTHONUNBUFFERED": "1",
-    })
+        job.store = st.connect(opts.master_addr, store_port,
+                               timeout_s=cfg.rendezvous_timeout_s, is_master=job.hosts_store)
+        job.coord = st.Coordinator(job.store, token)
+    base_env = {k: v for k, v in os.environ.items() if k not in WorkerEnv.variables()}
+    base_env.update({"DEADPOOL_TOKEN": token, "PYTHONUNBUFFERED": "1"})
     if opts.script:
         from ..megatron import tree
 
         base_env.update(tree.prepare(os.path.dirname(os.path.abspath(opts.script)),
                                      cpu=opts.device == "cpu", log=say))
+    if cfg.enabled and job.hosts_store:
+        _start_decider(job, specs, token, faults)
+    nodes = sorted({s.node for s in specs}) if local else [opts.node_rank]
     argv = worker_command(opts)
-
-    prefix = {s.lid: (f"n{s.node} r{s.rank}" if s.rank is not None else f"n{s.node} spare{s.lid}")
-              for s in specs}
-    decider = None
-    if cfg.enabled and hosts_store:
-        procs = {s.lid: Proc(lid=s.lid, node=s.node, role=s.role, rank=s.rank) for s in specs}
-        decider = Decider(
-            store=store, procs=procs, world_size=opts.world_size, token=token, faults=faults,
-            send_command=coord.push_command,
-            config=DeciderConfig(heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-                                 progress_timeout_s=cfg.progress_timeout_s,
-                                 heartbeat_interval_s=cfg.heartbeat_interval_s,
-                                 starting_spare_wait_s=min(30.0,
-                                                           cfg.rendezvous_timeout_s / 2)),
-            log=say)
-        decider.publish_initial_plan()
-    agents = [NodeAgent(node, [s for s in specs if s.node == node], argv, base_env, coord,
-                        prefix, out=out, use_store=cfg.enabled) for node in my_nodes]
-    t0 = time.time()
-    say(f"{opts.nodes} node(s) x {opts.procs_per_node} + {opts.spare_nodes if cfg.enabled else 0}"
-        f" spare node(s); world size {opts.world_size}; results in {results_dir}")
-    for a in agents:
-        a.start()
-    failed: Optional[str] = None
-    seen_plans = 1
-    next_lid = len(specs)
-    by_node = {a.node: a for a in agents}
-    try:
-        while True:
-            exited = [(a, lid, code) for a in agents for lid, code in a.poll()]
-            if opts.respawn_spares and decider is not None and not decider.finished:
-                for a, lid, code in exited:
-                    dead = decider.procs.get(lid)
-                    if dead is None or dead.state == "done" or code == 0:
-                        continue
-                    spec = WorkerSpec(lid=next_lid, node=dead.node, role="spare", rank=None,
-                                      local_rank=next((w.local_rank for w in a.workers
-                                                       if w.lid == lid), 0))
-                    decider.procs[next_lid] = Proc(lid=next_lid, node=dead.node, role="spare")
-                    prefix[next_lid] = f"n{dead.node} spare{next_lid}"
-                    by_node[dead.node].spawn(spec)
-                    say(f"process {lid} replaced by standby spare {next_lid} on node "
-                        f"{dead.node}")
-                    next_lid += 1
-            if decider is None:
-                bad = [(lid, code) for _, lid, code in exited if code != 0]
-                if bad and failed is None:
-                    failed = f"worker(s) {bad} failed (lid, exit code); stopping the job"
-                    say(failed)
-                    break
-            else:
-                decider.step()
-                while seen_plans < len(decider.plans):
-                    plan = decider.plans[seen_plans]
-                    for r, lid in plan["spare_ranks"].items():
-                        prefix[int(lid)] = f"n{decider.procs[int(lid)].node} r{r}"
-                    seen_plans += 1
-                if decider.failed_reason and failed is None:
-                    failed = decider.failed_reason
-                    break
-            if not cfg.enabled or not hosts_store:
-                if cfg.enabled and coord.shutdown_reason() is not None and not any(
-                        a.alive() for a in agents):
-                    break
-            if not any(a.alive() for a in agents):
-                break
-            time.sleep(0.02)
-    except KeyboardInterrupt:
-        failed = "interrupted"
-    finally:
-        if failed and decider is not None:
-            decider._shutdown(failed)
-            deadline = time.time() + 10
-            while any(a.alive() for a in agents) and time.time() < deadline:
-                time.sleep(0.05)
-        for a in agents:
-            a.terminate_all()
-            a.join_output()
-    codes = {lid: code for a in agents for lid, code in a.exit_codes.items()}
-    summary = build_summary(opts, cfg, results_dir, decider, store, codes, failed,
-                            time.time() - t0)
-    if opts.summary_json and hosts_store:
-        with open(opts.summary_json, "w") as f:
-            json.dump(summary, f, indent=2)
-    return summary
+    job.agents = [NodeAgent(node, [s for s in specs if s.node == node], argv, base_env,
+                            job.env, job.coord, job.prefix, out=out, use_store=cfg.enabled)
+                  for node in nodes]
+    return job
 
 
-def _layout(opts: LaunchOptions) -> dict:
-    tp = pp = 1
-    a = opts.trainer_argv
-    for i, x in enumerate(a):
-        if x == "--tensor-model-parallel-size":
-            tp = int(a[i + 1])
-        if x == "--pipeline-model-parallel-size":
-            pp = int(a[i + 1])
-    return {"tp": tp, "pp": pp, "dp": opts.world_size // (tp * pp),
-            "world_size": opts.world_size, "nodes": opts.nodes,
-            "procs_per_node": opts.procs_per_node, "spare_nodes": opts.spare_nodes}
+def _start_decider(job: Job, specs: List[WorkerSpec], token: str, faults) -> None:
+    procs = {s.lid: Proc(lid=s.lid, node=s.node, role=s.role, rank=s.rank) for s in specs}
+    job.decider = Decider(store=job.store, procs=procs, world_size=job.opts.world_size,
+                          token=token, send_command=job.coord.push_command,
+                          config=job.cfg.decider(), log=job.say)
+    job.driver = FaultDriver(faults, job.decider, job.coord.push_command, job.say,
+                             claim=lambda i: job.store.add(st.k("inject", i), 1) == 1)
+    job.decider.publish_initial_plan()
 
 
-def read_losses(results_dir: str) -> List[float]:
-    path = os.path.join(results_dir, "losses.jsonl")
-    by_iter: Dict[int, float] = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                rec = json.loads(line)
-                by_iter[rec["iteration"]] = rec["loss"]
-    return [by_iter[i] for i in sorted(by_iter)]
+def _supervise(job: Job) -> None:
+    while True:
+        exited = [(a, lid, code) for a in job.agents for lid, code in a.poll()]
+        d = job.decider
+        if job.opts.respawn_spares and d is not None and not d.finished:
+            _respawn(job, exited)
+        if d is None:
+            bad = [(lid, code) for _, lid, code in exited if code != 0]
+            if bad and job.failed is None:
+                job.failed = f"worker(s) {bad} failed (lid, exit code); stopping the job"
+                job.say(job.failed)
+                return
+        else:
+            d.step()
+            job.driver.poll(time.time())
+            _name_promoted(job)
+            if d.failed_reason and job.failed is None:
+                job.failed = d.failed_reason
+                return
+        if job.cfg.enabled and not job.hosts_store and job.coord.shutdown_reason() is not None \
+                and not any(a.alive() for a in job.agents):
+            return
+        if not any(a.alive() for a in job.agents):
+            return
+        time.sleep(0.02)
 
 
-def build_summary(opts, cfg, results_dir, decider, store, codes, failed, wall_s) -> dict:
-    ranks = []
-    for r in range(opts.world_size):
-        path = os.path.join(results_dir, f"rank{r}.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                ranks.append(json.load(f))
-    shas = {x["final_state_sha256"] for x in ranks}
-    complete = len(ranks) == opts.world_size and len(shas) == 1 and not failed
-    losses = read_losses(results_dir)
-    summary = {
-        "layout": _layout(opts),
-        "completed_iters": len(losses),
-        "losses": losses,
-        "final_state_sha256": shas.pop() if complete else None,
-        "ok": complete,
-        "error": failed,
-        "wall_s": round(wall_s, 3),
-        "results_dir": results_dir,
-        "exit_codes": {str(k): v for k, v in sorted(codes.items())},
-    }
-    if ranks:
-        summary["mirror"] = {
-            "waits": sum(x.get("mirror_waits", 0) for x in ranks),
-            "host_bytes_per_rank": max(x.get("host_bytes", 0) for x in ranks),
-            "mirror_bytes_per_rank": max(x.get("mirror_bytes", 0) for x in ranks),
-        }
-    if decider is not None:
-        summary["faults"] = [{k: v for k, v in f.items() if k != "t"} | {"t": round(f["t"], 3)}
-                             for f in decider.fault_records]
-        summary["recoveries"] = [_recovery(plan, store, opts.world_size)
-                                 for plan in decider.plans[1:]]
-    return summary
+def _respawn(job: Job, exited) -> None:
+    """Simulated nodes: a process that died is replaced by a fresh standby spare on its
+    node (the node "returns"), so the spare pool stays topped up."""
+    by_node = {a.node: a for a in job.agents}
+    for a, lid, code in exited:
+        dead = job.decider.procs.get(lid)
+        if dead is None or dead.state == "done" or code == 0:
+            continue
+        new = job.next_lid
+        job.next_lid += 1
+        spec = WorkerSpec(lid=new, node=dead.node, role=Role.SPARE, rank=None,
+                          local_rank=next((w.local_rank for w in a.workers if w.lid == lid), 0))
+        job.decider.procs[new] = Proc(lid=new, node=dead.node, role=Role.SPARE)
+        job.prefix[new] = f"n{dead.node} spare{new}"
+        by_node[dead.node].spawn(spec)
+        job.say(f"process {lid} replaced by standby spare {new} on node {dead.node}")
 
 
-def _recovery(plan: dict, store, world_size: int) -> dict:
-    from ..recovery.phases import PHASE_ORDER
+def _name_promoted(job: Job) -> None:
+    """Output prefixes follow promotions: a spare's lines read as the rank it took."""
+    plans = job.decider.plans
+    while job.seen_plans < len(plans):
+        for r, lid in plans[job.seen_plans].spare_of_rank.items():
+            job.prefix[lid] = f"n{job.decider.procs[lid].node} r{r}"
+        job.seen_plans += 1
 
-    reports = []
-    for r in range(world_size):
-        key = st.k("report", plan["gen"], r)
-        if store.check([key]):
-            reports.append(st.get_json(store, key))
-    phases = {"detect": round(plan.get("detect_s", 0.0), 4)}
-    for ph in PHASE_ORDER[1:]:
-        vals = [x["phases_s"].get(ph) for x in reports if ph in x.get("phases_s", {})]
-        if vals:
-            phases[ph] = round(max(vals), 4)
-    restored = reports[0]["restored_iter"] if reports else None
-    at_fail = [x["iteration_at_failure"] for x in reports if x["iteration_at_failure"] is not None]
-    return {
-        "generation": plan["gen"],
-        "failed_ranks": plan["failed_ranks"],
-        "spare_ranks": plan["spare_ranks"],
-        "restored_iter": restored,
-        "recomputed_iters": (max(at_fail) - restored) if at_fail and restored is not None
-        else None,
-        "phases_s": phases,
-        "total_s": round(sum(phases.values()), 4),
-        "ranks_reported": len(reports),
-        # superseded: a further failure during this recovery moved on to a newer generation
-        "superseded": not reports,
-    }
+
+def _wind_down(job: Job) -> None:
+    if job.failed and job.decider is not None:
+        job.decider.stop(job.failed)
+        deadline = time.time() + 10
+        while any(a.alive() for a in job.agents) and time.time() < deadline:
+            time.sleep(0.05)
+    for a in job.agents:
+        a.terminate_all()
+        a.join_output()
+

@@ -26,121 +26,12 @@ import inspect
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Optional
 
 from ..config import DeadpoolConfig, add_deadpool_args
 from ..errors import ConfigError, UnsupportedConfigError
 from ..recovery.quiet import CollectiveSuppressor
-
-SUPPORTED_MEGATRON = ("0.16.1",)
-
-
-# ---------------------------------------------------------------------------- pure checks
-def unsupported_args(args) -> List[str]:
-    """Megatron-LM settings that ``--deadpool`` v1 refuses, each with the reason. Pure:
-    a function of the parsed arguments only."""
-    g = lambda name, default=None: getattr(args, name, default)  # noqa: E731
-    rules = [
-        (g("inprocess_restart"), "--inprocess-restart (NVRx in-process restart): both would "
-         "own the recovery of the same failure; use one of them"),
-        (g("enable_ft_package"), "--enable-ft-package (NVRx fault-tolerance package): it "
-         "restarts the job on a failure that DeadPool recovers in place"),
-        (not g("use_distributed_optimizer"), "training without --use-distributed-optimizer "
-         "(DeadPool mirrors distributed-optimizer shards)"),
-        (g("overlap_grad_reduce"), "--overlap-grad-reduce (pending reduce handles cannot "
-         "survive an abort)"),
-        (g("overlap_param_gather"), "--overlap-param-gather (forward pre-hooks hold pending "
-         "all-gathers)"),
-        (g("async_save"), "--async-save (a background save worker holds old groups)"),
-        (g("non_persistent_ckpt_type") == "local", "--non-persistent-ckpt-type local"),
-        (g("virtual_pipeline_model_parallel_size") is not None,
-         "virtual pipeline parallelism (--num-layers-per-virtual-pipeline-stage)"),
-        ((g("context_parallel_size") or 1) > 1, "--context-parallel-size > 1"),
-        ((g("expert_model_parallel_size") or 1) > 1, "--expert-model-parallel-size > 1"),
-        ((g("num_distributed_optimizer_instances") or 1) > 1,
-         "--num-distributed-optimizer-instances > 1"),
-        (g("rampup_batch_size") is not None, "--rampup-batch-size"),
-        (bool(g("phase_transition_iterations")), "--phase-transition-iterations"),
-        (g("perform_rl_step"), "RL training (--perform-rl-step)"),
-        (g("hybrid_context_parallel"), "--hybrid-context-parallel"),
-        (g("dataloader_type") == "external", "--dataloader-type external (DeadPool rebuilds "
-         "iterators from consumed samples)"),
-        (g("yaml_cfg") is not None, "--yaml-cfg"),
-        (g("fake_process_group"), "--fake-process-group"),
-        (g("multiple_validation_sets"), "--multiple-validation-sets"),
-        (g("tp_comm_overlap"), "--tp-comm-overlap (userbuffers communicators cannot be "
-         "rebound)"),
-        ((g("cuda_graph_impl") or "none") != "none", "CUDA graphs (--cuda-graph-impl)"),
-        (g("nccl_ub"), "--use-nccl-ub (NCCL user buffers)"),
-        (g("use_megatron_fsdp"), "--use-megatron-fsdp"),
-        (g("use_torch_fsdp2"), "--use-torch-fsdp2"),
-    ]
-    return [why for bad, why in rules if bad]
-
-
-def unsupported_argv(argv: List[str]) -> List[str]:
-    """``unsupported_args`` on a raw Megatron-LM command line, for ``deadpool launch`` to
-    refuse before any worker starts (the workers check the fully parsed arguments again)."""
-    import argparse
-
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for flag in ("--inprocess-restart", "--enable-ft-package", "--use-distributed-optimizer",
-                 "--overlap-grad-reduce", "--overlap-param-gather", "--async-save",
-                 "--perform-rl-step", "--hybrid-context-parallel", "--fake-process-group",
-                 "--multiple-validation-sets", "--tp-comm-overlap", "--use-megatron-fsdp",
-                 "--use-torch-fsdp2"):
-        p.add_argument(flag, action="store_true")
-    p.add_argument("--use-nccl-ub", action="store_true", dest="nccl_ub")
-    for flag in ("--context-parallel-size", "--expert-model-parallel-size",
-                 "--num-distributed-optimizer-instances"):
-        p.add_argument(flag, type=int, default=1)
-    for flag in ("--non-persistent-ckpt-type", "--dataloader-type", "--yaml-cfg",
-                 "--cuda-graph-impl", "--num-layers-per-virtual-pipeline-stage",
-                 "--num-virtual-stages-per-pipeline-rank"):
-        p.add_argument(flag, default=None)
-    p.add_argument("--rampup-batch-size", nargs="*", default=None)
-    p.add_argument("--phase-transition-iterations", default=None)
-    ns, _ = p.parse_known_args(argv)
-    ns.virtual_pipeline_model_parallel_size = (
-        ns.num_layers_per_virtual_pipeline_stage or ns.num_virtual_stages_per_pipeline_rank)
-    return unsupported_args(ns)
-
-
-def check_megatron_version(version: str) -> None:
-    if version not in SUPPORTED_MEGATRON:
-        raise ConfigError(
-            f"--deadpool supports Megatron-LM {', '.join(SUPPORTED_MEGATRON)} (tag core_v0.16.1); "
-            f"this tree is {version}. Check out core_v0.16.1 and apply patches/ with "
-            "scripts/apply_patches.sh")
-
-
-def cpu_flags(argv: List[str]) -> List[str]:
-    """The Megatron-LM flags ``deadpool launch --device cpu`` adds when they are missing.
-    Pure. Each entry: (flag present-test names, flags to add)."""
-    have = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
-    added: List[str] = []
-    for names, add in CPU_FLAGS:
-        if not have.intersection(names):
-            added += add
-    return list(argv) + added
-
-
-# (flags that count as "already given", flags to add)
-CPU_FLAGS: Tuple[Tuple[Tuple[str, ...], List[str]], ...] = (
-    (("--transformer-impl",), ["--transformer-impl", "local"]),
-    (("--distributed-backend",), ["--distributed-backend", "gloo"]),
-    (("--no-gradient-accumulation-fusion", "--gradient-accumulation-fusion"),
-     ["--no-gradient-accumulation-fusion"]),
-    (("--no-persist-layer-norm",), ["--no-persist-layer-norm"]),
-    (("--no-masked-softmax-fusion",), ["--no-masked-softmax-fusion"]),
-    (("--no-bias-gelu-fusion",), ["--no-bias-gelu-fusion"]),
-    (("--no-bias-dropout-fusion",), ["--no-bias-dropout-fusion"]),
-    (("--no-rope-fusion",), ["--no-rope-fusion"]),
-    (("--num-workers",), ["--num-workers", "0"]),
-    (("--eval-iters",), ["--eval-iters", "0"]),
-    (("--eval-interval",), ["--eval-interval", "1000"]),
-)
-
+from .lm_rules import check_megatron_version, unsupported_args
 
 # ---------------------------------------------------------------------------- session
 class MegatronTrainState:
@@ -337,7 +228,7 @@ def recover(exc: BaseException):
 
 
 def _reapply_rng() -> None:
-    from . import state as state_io
+    from . import train_state as state_io
 
     meta = _S.handle.restored_meta
     if meta is not None:

@@ -103,7 +103,7 @@ def rank_digest(model_chunks: Iterable[torch.nn.Module], optimizer,
     states, iteration, consumed samples, scheduler, grad scaler) when given."""
     h = hashlib.sha256()
     if resume_state is not None:
-        from .state import canonical_bytes
+        from .train_state import canonical_bytes
 
         h.update(canonical_bytes(resume_state))
     for ci, chunk in enumerate(model_chunks):

@@ -5,14 +5,14 @@ it dies, Slurm ends the job anyway, so the coordinator adds no failure domain). 
 below marked (signed) is sealed with the job secret for its slot (``auth.py``). Keys::
 
     dp/events/n, dp/events/{i}     append-only event queue read by the decider (signed, i)
-                                   kinds: join, exit, done, fatal, fault_request
+                                   kinds: EventKind below
     dp/admit/{lid}/{nonce}         the decider's answer to one join request (signed)
     dp/latest                      the current generation (signed, only grows)
     dp/plan/{g}                    JSON plan of generation g (signed, gen)
     dp/arrived/{g}, .../all        abortable rendezvous before generation g's world forms
     dp/hb/{lid}, dp/agent_hb/{n}   worker and node-agent heartbeats (signed)
-    dp/cmd/{node}/n, .../{i}       commands for a node agent (signed, node and i)
-    dp/inject/{i}                  a fault of the test schedule was fired (tests only)
+    dp/cmd/{node}/n, .../{i}       commands for a node agent (signed, node and i; CommandOp)
+    dp/inject/{i}                  counter: the first process to reach fault i claims it
     dp/report/{g}/{rank}           a worker's recovery phase timings for generation g
     dp/shutdown                    set once: the job is over (signed reason)
     gen{g}/...                     torch.distributed rendezvous of generation g (PrefixStore)
@@ -20,6 +20,7 @@ below marked (signed) is sealed with the job secret for its slot (``auth.py``). 
 
 from __future__ import annotations
 
+import enum
 import json
 import secrets
 import socket
@@ -29,8 +30,36 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import TokenError
 from . import auth
+from .plan import Plan
 
 ROOT = "dp/"
+
+
+class EventKind(str, enum.Enum):
+    JOIN = "join"                    # a process asks for admission (lid, nonce)
+    EXIT = "exit"                    # its node agent saw a process exit (lid, code)
+    DONE = "done"                    # a rank finished training
+    FATAL = "fatal"                  # a rank stops on a local error (error, traceback)
+    FAULT_REQUEST = "fault_request"  # a scheduled test fault fired (index, iteration)
+    FORGED = "forged"                # not a sender's kind: a message that did not verify
+
+
+class CommandOp(str, enum.Enum):
+    SIGNAL = "signal"                # deliver ``signal`` to the processes ``lids``
+
+
+class WorkerState(str, enum.Enum):
+    """A worker's lifecycle, as its heartbeats report it::
+
+        STANDBY ──promoted──► ACTIVE ◄──restored── RECOVERING
+                              │    └──failure seen──►┘
+                              └──► DONE
+    """
+
+    STANDBY = "STANDBY"
+    ACTIVE = "ACTIVE"
+    RECOVERING = "RECOVERING"
+    DONE = "DONE"
 
 
 def k(*parts: Any) -> str:
@@ -84,13 +113,13 @@ class Coordinator:
             try:
                 out.append(auth.open_(self.secret, raw, i=i))
             except auth.AuthError as exc:
-                out.append({"kind": "forged", "i": i, "why": str(exc), "claimed": _peek(raw)})
+                out.append({"kind": EventKind.FORGED, "i": i, "why": str(exc), "claimed": _peek(raw)})
         return out
 
     # -------------------------------------------------------------- plans
-    def publish_plan(self, plan: dict) -> None:
-        g = plan["gen"]
-        self.raw.set(k("plan", g), auth.seal(self.secret, plan))
+    def publish_plan(self, plan: Plan) -> None:
+        g = plan.gen
+        self.raw.set(k("plan", g), auth.seal(self.secret, plan.to_json()))
         self.raw.set(k("latest"), auth.seal(self.secret, {"gen": g}))
 
     def current_gen(self) -> int:
@@ -103,8 +132,8 @@ class Coordinator:
                 pass
         return self._gen
 
-    def get_plan(self, gen: int) -> dict:
-        return auth.open_(self.secret, self.raw.get(k("plan", gen)), gen=gen)
+    def get_plan(self, gen: int) -> Plan:
+        return Plan.from_json(auth.open_(self.secret, self.raw.get(k("plan", gen)), gen=gen))
 
     # -------------------------------------------------------------- admission
     def request_admission(self, lid: int, timeout_s: float) -> None:
@@ -112,7 +141,7 @@ class Coordinator:
         nonce. Raises TokenError when refused or when the answer is not signed with this
         process's secret (a wrong DEADPOOL_TOKEN)."""
         nonce = secrets.token_hex(8)
-        self.push_event("join", lid=lid, nonce=nonce)
+        self.push_event(EventKind.JOIN, lid=lid, nonce=nonce)
         key = k("admit", lid, nonce)
         self.raw.wait([key], timedelta(seconds=timeout_s))
         try:

@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import DeadpoolError, MirrorCorruptError
+from ..errors import MirrorCorruptError, MirrorError
 from . import placement, snapshot
 from .transport import MirrorTransport
 
@@ -53,10 +53,6 @@ def native_thread_ids(name: str) -> set:
     except OSError:
         pass
     return out
-
-
-class MirrorError(DeadpoolError):
-    """The mirror job of an iteration failed (usually because a peer died)."""
 
 
 class Mirror:
@@ -265,7 +261,7 @@ class Mirror:
         return meta
 
     def inventory(self) -> dict:
-        """What this rank holds, for the restore decision (recovery/restore_plan.py)."""
+        """What this rank holds, for the restore decision (recovery/restore.py)."""
         return {"own": sorted(i for i in self.own_iter if i >= 0), "committed": self.committed,
                 "copies": {str(o): sorted(i for i in its if i >= 0)
                            for o, its in self.recv_iter.items() if any(i >= 0 for i in its)}}

@@ -5,8 +5,11 @@ dead or hung peer.
   group can block a serial abort), with ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` set so the
   failure surfaces as an exception instead of killing the process.
 * gloo: ``abort()`` does not free a thread blocked on a peer, and an old group keeps its
-  sockets open while referenced. We therefore shut down (``shutdown(SHUT_RDWR)``) the TCP
-  connections gloo opened, leaving only the coordinator store's connections alive. Every
+  sockets open while referenced. We therefore shut down (``shutdown(SHUT_RDWR)``) every
+  established TCP connection of this process whose local or remote port is not the
+  coordinator store's. In a worker those are gloo's pairs (a socket the application opened
+  itself, e.g. a metrics client, would be shut down too: the price of not parsing gloo's
+  internals). Listening sockets are left alone. Every
   pending gloo operation of this process then fails at once, and so do the peers' operations
   that wait on this process: the abort cascades through the job within milliseconds.
 """

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import re
 
+from ..errors import MirrorError
+
 _COMM_PATTERNS = re.compile(
     r"Connection closed by peer|Connection reset by peer|Connection refused|Broken pipe|"
     r"Read error|Write error|Socket Timeout|Timed out waiting|"
@@ -24,8 +26,6 @@ _COMM_PATTERNS = re.compile(
 
 def is_comm_failure(exc: BaseException) -> bool:
     """The exception (or one it was raised from) says a collective or a connection failed."""
-    from ..mirror.mirror import MirrorError
-
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))

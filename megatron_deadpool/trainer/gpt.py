@@ -164,6 +164,9 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)  # fixed thread count: bitwise determinism on CPU
         torch.use_deterministic_algorithms(True)
 
+    from ..worker_env import log_to_stdout
+
+    log_to_stdout()
     deadpool = api.Deadpool.start(args.deadpool_config, device=args.device, backend=args.backend)
     try:
         device = deadpool.device

@@ -1,5 +1,6 @@
-"""Which iteration to restore, and where each rank's state comes from. Pure: a function of
-what every process of the new world holds, gathered right after the world is rebuilt.
+"""Which iteration to restore, and where each rank's state comes from (``choose_restore``,
+pure: a function of what every process of the new world holds, gathered right after the
+world is rebuilt), then doing it (``execute``).
 
     inventory of rank r:  own     iterations of r's own snapshot slots (a spare: none)
                           copies  {owner rank: iterations} of buddy copies r holds,
@@ -21,7 +22,7 @@ iteration commits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Sequence
+from typing import Dict, List, Mapping, Sequence, Tuple
 
 from ..errors import NoCommittedStateError
 
@@ -44,7 +45,7 @@ class Inventory:
 
 
 @dataclass(frozen=True)
-class RestorePlan:
+class RestoreDecision:
     iteration: int
     sources: Dict[int, int]  # rank lacking its own copy -> rank that sends it
 
@@ -53,7 +54,7 @@ class RestorePlan:
         return sorted(o for o, h in self.sources.items() if h == rank)
 
 
-def decide(inventories: Sequence[Inventory]) -> RestorePlan:
+def choose_restore(inventories: Sequence[Inventory]) -> RestoreDecision:
     """``inventories[r]`` is rank r's. Raises NoCommittedStateError naming the last
     committed iteration when no iteration is held for every rank."""
     world = len(inventories)
@@ -73,7 +74,7 @@ def decide(inventories: Sequence[Inventory]) -> RestorePlan:
                 break
             sources[r] = holders[0]
         else:
-            return RestorePlan(iteration=it, sources=sources)
+            return RestoreDecision(iteration=it, sources=sources)
     last = max((inv.committed for inv in inventories), default=-1)
     lost = [r for r in range(world) if not inventories[r].own
             and not any(inventories[h].copies.get(r) for h in range(world) if h != r)]
@@ -82,3 +83,29 @@ def decide(inventories: Sequence[Inventory]) -> RestorePlan:
           "no single iteration is held for every rank"
     raise NoCommittedStateError(f"cannot restore from memory: {who}; last committed "
                                 f"iteration {last}")
+
+
+def execute(mirror, optimizer, model, rank: int) -> Tuple[int, dict]:
+    """Agree on the iteration (one all-gather of inventories), move missing shards from
+    their holders, restore this rank's shard, rebuild model params and re-protect. Returns
+    (restored iteration, its snapshot metadata)."""
+    from ..megatron import shard
+
+    invs = [Inventory.from_json(x) for x in mirror.transport.all_gather_json(mirror.inventory())]
+    decision = choose_restore(invs)
+    chosen = decision.iteration
+    if rank in decision.sources:
+        for opt in shard.distributed_optimizers(optimizer):
+            if not opt.optimizer.state:  # a spare: create the state the copy fills
+                opt._init_optimizer_states_with_dummy_values()
+    mirror.transfer_for_restore(chosen, decision.serves(rank), decision.sources.get(rank))
+    meta = mirror.restore_local(chosen)
+    if meta.get("optimizer_state_empty"):
+        shard.reset_optimizer_state(optimizer)  # the initial commit: before step 1
+    shard.copy_main_params_to_model(optimizer, model)
+    mirror.after_restore(chosen)
+    # Buddies that already hold the restored iteration (same placement) are not re-sent.
+    held = {(o, h) for h, inv in enumerate(invs) for o, its in inv.copies.items()
+            if chosen in its}
+    mirror.reprotect(chosen, skip=held)
+    return chosen, meta

@@ -1,4 +1,4 @@
-"""Declarative fault schedule: ``kind:target=N@iter=N[,phase=P]``.
+"""Declarative fault schedule (``kind:target=N@iter=N[,phase=P]``) and its delivery.
 
     kill:node=1@iter=12                  SIGKILL every process of node 1 at iteration 12
     kill:rank=5@iter=7,phase=optimizer   SIGKILL rank 5 during its optimizer step
@@ -13,17 +13,27 @@
                                  recovery, to test cascades)
 
 The launcher parses the ``--inject`` specs once, validates them and passes the schedule to
-every worker as JSON in an environment variable, so every rank agrees on it. ``Fault.index``
-(the position in the schedule) is the fault's unique id.
+every worker (``worker_env.py``), so every rank agrees on it. ``Fault.index`` (the position in
+the schedule) is the fault's unique id.
+
+Delivery (:class:`FaultPoints`, in the worker): the first process to reach a fault's point
+claims it, reports it, and signals itself at once (no parking: the signal lands wherever the
+process is). A node fault's other processes are signalled by their node agent right after.
+In the optimizer step the signal is delayed by a seeded fraction of a millisecond, so it lands
+inside the real step (a torn step). ``@t=S`` faults come from outside (``launch/``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import random
+import signal as _signal
+import threading
 from dataclasses import asdict, dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 KINDS = ("kill", "stop", "term", "segv", "raise")
 # The signal the node agent delivers for each kind; "raise" is a local error raised by the
@@ -37,6 +47,13 @@ FORM = ("kill|stop|term|segv|raise:node=N|rank=N@iter=N[,phase=forward_backward|
 
 class InjectedLocalError(RuntimeError):
     """What a ``raise`` fault throws inside the rank's step (not a communication failure)."""
+
+
+class Phase:
+    """Fault points (strings: they travel in the schedule's JSON)."""
+
+    FORWARD_BACKWARD, OPTIMIZER, MIRROR = "forward_backward", "optimizer", "mirror"
+    RENDEZVOUS, RESTORE_STATE = "rendezvous", "restore_state"
 
 
 def _is_int(v) -> bool:
@@ -183,3 +200,35 @@ def validate_schedule(faults: Sequence[Fault], total_nodes: int, world_size: int
                               f"(ranks are 0..{world_size - 1})")
         if f.at_s is None and not 1 <= f.iteration <= train_iters:
             raise ConfigError(f"{where}: iteration {f.iteration} is outside 1..{train_iters}")
+
+
+class FaultPoints:
+    """The worker side of a schedule. ``claim(index)`` returns True for exactly one caller in
+    the whole job (a store counter), so a fault fires once even when a replacement re-runs
+    the iteration; ``report(fault, iteration, phase)`` tells the launcher before the signal."""
+
+    def __init__(self, faults: Sequence[Fault], rank: Callable[[], int], node: int,
+                 claim: Callable[[int], bool], report: Callable[[Fault, int, str], None],
+                 kill: Callable[[int], None] = lambda sig: os.kill(os.getpid(), sig)):
+        self.faults = [f for f in faults if f.at_s is None]
+        self.rank, self.node = rank, node
+        self.claim, self.report, self.kill = claim, report, kill
+
+    def due(self, iteration: int, phase: str) -> List[Fault]:
+        return [f for f in self.faults if f.iteration == iteration and f.phase == phase
+                and f.targets(self.rank(), self.node)]
+
+    def __call__(self, iteration: int, phase: str) -> None:
+        for f in self.due(iteration, phase):
+            if f.kind == "raise":
+                raise InjectedLocalError(
+                    f"injected local error on rank {self.rank()} at iteration {iteration}")
+            if not self.claim(f.index):
+                continue
+            self.report(f, iteration, phase)
+            sig = getattr(_signal, SIGNALS[f.kind])
+            if phase == Phase.OPTIMIZER:  # land inside the real step, not before it
+                delay = random.Random(f.index).uniform(0.0, 0.001)
+                threading.Timer(delay, self.kill, args=(sig,)).start()
+            else:
+                self.kill(sig)

@@ -1,0 +1,71 @@
+"""Delivers the test fault schedule from the launcher's side (``faults.py`` is the schedule):
+
+* a staged fault (``@iter=N``) is fired by the first victim process that reaches its point;
+  the victim reports it (event ``fault_request``) and signals itself. For a node fault the
+  driver signals the node's other processes through their agent, right after.
+* an unstaged fault (``@t=S``) is delivered from outside, S seconds after the first rank
+  reported a completed iteration, wherever the victims are (no fault point, no cooperation).
+
+Every delivered fault is recorded for the summary.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+from ..faults import SIGNALS, Fault
+from ..membership.decider import Decider, ProcState
+from ..membership.store import CommandOp
+
+
+class FaultDriver:
+    def __init__(self, faults: List[Fault], decider: Decider,
+                 send_command: Callable[[int, dict], None], log: Callable[[str], None],
+                 claim: Callable[[int], bool]):
+        self.faults: Dict[int, Fault] = {f.index: f for f in faults}
+        self.decider, self.send_command, self.log, self.claim = decider, send_command, log, claim
+        self.records: List[dict] = []
+        self._train_t0: Optional[float] = None
+        decider.on_fault = self.on_request
+
+    def on_request(self, ev: dict) -> None:
+        """A victim fired staged fault ``ev['index']`` on itself."""
+        f = self.faults[ev["index"]]
+        self._deliver(f, ev["t"], at_iter=f.iteration, phase=f.phase,
+                      skip_lid=ev.get("lid"))
+
+    def poll(self, now: float) -> None:
+        """Fire the unstaged faults that are due."""
+        timed = [f for f in self.faults.values() if f.at_s is not None]
+        if not timed:
+            return
+        if self._train_t0 is None:
+            if self.decider.max_iteration() >= 1:
+                self._train_t0 = now
+            return
+        for f in timed:
+            if now - self._train_t0 >= f.at_s and self.claim(f.index):
+                self.decider.note_fault(now)
+                self._deliver(f, now, at_iter=self.decider.max_iteration(), phase="unstaged")
+
+    def _deliver(self, f: Fault, t: float, at_iter: int, phase: str,
+                 skip_lid: Optional[int] = None) -> None:
+        procs = self.decider.procs.values()
+        victims = [p for p in procs if p.state not in (ProcState.DEAD, ProcState.DONE)
+                   and (p.node == f.node if f.node is not None else p.rank == f.rank)]
+        if f.node is not None or f.at_s is not None:
+            for node in sorted({p.node for p in victims}):
+                lids = [p.lid for p in victims if p.node == node and p.lid != skip_lid]
+                if lids:
+                    self.send_command(node, {"op": CommandOp.SIGNAL, "signal": SIGNALS[f.kind],
+                                             "lids": lids})
+        rec = {"kind": f.kind, "node": f.node, "rank": f.rank,
+               "ranks": sorted(p.rank for p in victims if p.rank is not None),
+               "at_iter": at_iter, "phase": phase, "t": t}
+        if f.at_s is not None:
+            rec["at_s"] = f.at_s
+        self.records.append(rec)
+        where = f"node {f.node}" if f.node is not None else f"rank {f.rank}"
+        when = (f"at iteration {f.iteration} ({f.phase})" if f.at_s is None else
+                f"{f.at_s:g}s after training began (unstaged, at iteration {at_iter})")
+        self.log(f"injected {f.kind} on {where} {when}")

@@ -1,0 +1,151 @@
+"""``deadpool launch`` options: the job's shape, validated once before anything starts,
+and what each worker process runs.
+
+Process ids ("lid"): active ranks take lids 0..W-1 (lid == initial global rank, node =
+lid // procs_per_node); spare processes take lids W.. on nodes N..N+S-1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from .. import faults as fault_schedule
+from ..config import DeadpoolConfig, add_deadpool_args
+from ..errors import ConfigError
+from .agent import WorkerSpec
+
+
+@dataclass
+class LaunchOptions:
+    nodes: int
+    procs_per_node: int
+    spare_nodes: int = 0
+    node_rank: Optional[int] = None
+    master_addr: str = "127.0.0.1"
+    master_port: Optional[int] = None
+    summary_json: Optional[str] = None
+    script: Optional[str] = None
+    inject: List[str] = field(default_factory=list)
+    results_dir: Optional[str] = None
+    trainer_argv: List[str] = field(default_factory=list)
+    quiet: bool = False
+    device: Optional[str] = None  # cpu | cuda; None: the trainer's own default
+    # Simulated nodes only: a process that died is replaced by a fresh standby spare on
+    # the same node (the node "returns"), so the spare pool stays topped up (soak).
+    respawn_spares: bool = False
+    # Benchmark only (`deadpool bench overhead`): mirror in alternating blocks of this many
+    # iterations (0: every iteration).
+    bench_block: int = 0
+
+    def __post_init__(self):
+        if self.nodes < 1 or self.procs_per_node < 1:
+            raise ConfigError("--nodes and --procs-per-node must be >= 1")
+        if self.spare_nodes < 0:
+            raise ConfigError("--spare-nodes must be >= 0")
+        total = self.nodes + self.spare_nodes
+        if self.node_rank is not None and not 0 <= self.node_rank < total:
+            raise ConfigError(f"--node-rank {self.node_rank} is outside 0..{total - 1}")
+        if self.device not in (None, "cpu", "cuda"):
+            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _deadpool_config(argv: List[str]) -> DeadpoolConfig:
+    p = argparse.ArgumentParser(add_help=False)
+    add_deadpool_args(p)
+    known, _ = p.parse_known_args(argv)
+    return DeadpoolConfig.from_args(known)
+
+
+def validate(opts: LaunchOptions):
+    """Reject bad input once, before anything starts. Returns (deadpool config, faults)."""
+    if opts.script is None:
+        from ..trainer.args import parse_args, validate as validate_trainer
+
+        targs = validate_trainer(parse_args(opts.trainer_argv), opts.world_size)
+        cfg, train_iters = targs.deadpool_config, targs.train_iters
+    else:
+        if not os.path.exists(opts.script):
+            raise ConfigError(f"--script {opts.script} does not exist")
+        cfg, train_iters = _deadpool_config(opts.trainer_argv), _flag_int(
+            opts.trainer_argv, "--train-iters")
+    if opts.script is not None and cfg.enabled:
+        from ..megatron import tree
+
+        root = os.path.dirname(os.path.abspath(opts.script))
+        if tree.is_megatron_tree(root):
+            tree.check_for_deadpool(root)
+            from ..errors import UnsupportedConfigError
+            from ..megatron.lm_rules import unsupported_argv
+
+            bad = unsupported_argv(opts.trainer_argv)
+            if bad:
+                raise UnsupportedConfigError("--deadpool does not support: " + "; ".join(bad))
+    faults = fault_schedule.parse_schedule(opts.inject)
+    if faults and not cfg.enabled:
+        raise ConfigError("--inject needs --deadpool in the trainer flags")
+    if faults:
+        fault_schedule.validate_schedule(faults, total_nodes=opts.nodes + opts.spare_nodes,
+                                 world_size=opts.world_size,
+                                 train_iters=train_iters if train_iters else 10**9)
+    if cfg.enabled and opts.nodes < cfg.replicas + 1:
+        raise ConfigError(f"--deadpool-replicas {cfg.replicas} needs at least "
+                          f"{cfg.replicas + 1} nodes (got --nodes {opts.nodes})")
+    return cfg, faults
+
+
+def _flag_int(argv: List[str], flag: str) -> Optional[int]:
+    for i, x in enumerate(argv[:-1]):
+        if x == flag:
+            try:
+                return int(argv[i + 1])
+            except ValueError:
+                raise ConfigError(f"{flag} needs an integer, got {argv[i + 1]!r}") from None
+    return None
+
+
+def worker_command(opts: LaunchOptions) -> List[str]:
+    """The worker's command line. The reference trainer runs as a module; ``--script`` runs
+    through the child wrapper (``launch/child.py``), which in CPU mode gets the CPU-only
+    Megatron-LM flags that are missing (``megatron.lm_rules.CPU_FLAGS``)."""
+    if opts.script is None:
+        argv = list(opts.trainer_argv)
+        if opts.device and "--device" not in argv:
+            argv += ["--device", opts.device]
+        return [sys.executable, "-m", "megatron_deadpool.trainer.gpt", *argv]
+    from ..megatron import lm_rules
+
+    cmd = [sys.executable, "-m", "megatron_deadpool.launch.child"]
+    argv = list(opts.trainer_argv)
+    if opts.device:
+        cmd += ["--device", opts.device]
+    if opts.device == "cpu":
+        argv = lm_rules.cpu_flags(argv)
+    return [*cmd, os.path.abspath(opts.script), *argv]
+
+
+def worker_specs(opts: LaunchOptions, with_spares: bool) -> List[WorkerSpec]:
+    W, P = opts.world_size, opts.procs_per_node
+    specs = [WorkerSpec(lid=r, node=r // P, role="active", rank=r, local_rank=r % P)
+             for r in range(W)]
+    if with_spares:
+        for i in range(opts.spare_nodes * P):
+            specs.append(WorkerSpec(lid=W + i, node=opts.nodes + i // P, role="spare",
+                                    rank=None, local_rank=i % P))
+    return specs
+
+

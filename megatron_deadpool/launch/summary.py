@@ -1,0 +1,108 @@
+"""The launch summary (``--summary-json``): layout, losses, fingerprint, faults and one
+entry per recovery with its phase breakdown, from the ranks' result files and reports."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List
+
+from ..membership import store as st
+from ..membership.plan import Plan
+from ..recovery.phases import PHASE_ORDER
+from .options import LaunchOptions
+
+
+def _layout(opts: LaunchOptions) -> dict:
+    tp = pp = 1
+    a = opts.trainer_argv
+    for i, x in enumerate(a):
+        if x == "--tensor-model-parallel-size":
+            tp = int(a[i + 1])
+        if x == "--pipeline-model-parallel-size":
+            pp = int(a[i + 1])
+    return {"tp": tp, "pp": pp, "dp": opts.world_size // (tp * pp),
+            "world_size": opts.world_size, "nodes": opts.nodes,
+            "procs_per_node": opts.procs_per_node, "spare_nodes": opts.spare_nodes}
+
+
+def read_losses(results_dir: str) -> List[float]:
+    path = os.path.join(results_dir, "losses.jsonl")
+    by_iter: Dict[int, float] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                rec = json.loads(line)
+                by_iter[rec["iteration"]] = rec["loss"]
+    return [by_iter[i] for i in sorted(by_iter)]
+
+
+def read_rank_results(results_dir: str, world_size: int) -> List[dict]:
+    """The ``rank{r}.json`` files the ranks wrote at the end (``Deadpool.finish``), in rank
+    order; missing ones (a job that did not finish) are left out."""
+    out = []
+    for r in range(world_size):
+        path = os.path.join(results_dir, f"rank{r}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                out.append(json.load(f))
+    return out
+
+
+def build_summary(opts, cfg, results_dir, decider, store, codes, failed, wall_s,
+                  fault_records=()) -> dict:
+    ranks = read_rank_results(results_dir, opts.world_size)
+    shas = {x["final_state_sha256"] for x in ranks}
+    complete = len(ranks) == opts.world_size and len(shas) == 1 and not failed
+    losses = read_losses(results_dir)
+    summary = {
+        "layout": _layout(opts),
+        "completed_iters": len(losses),
+        "losses": losses,
+        "final_state_sha256": shas.pop() if complete else None,
+        "ok": complete,
+        "error": failed,
+        "wall_s": round(wall_s, 3),
+        "results_dir": results_dir,
+        "exit_codes": {str(k): v for k, v in sorted(codes.items())},
+    }
+    if ranks:
+        summary["mirror"] = {
+            "waits": sum(x.get("mirror_waits", 0) for x in ranks),
+            "host_bytes_per_rank": max(x.get("host_bytes", 0) for x in ranks),
+            "mirror_bytes_per_rank": max(x.get("mirror_bytes", 0) for x in ranks),
+        }
+    if decider is not None:
+        summary["faults"] = [{k: v for k, v in f.items() if k != "t"} | {"t": round(f["t"], 3)}
+                             for f in fault_records]
+        summary["recoveries"] = [_recovery(plan, store, opts.world_size)
+                                 for plan in decider.plans[1:]]
+    return summary
+
+
+def _recovery(plan: Plan, store, world_size: int) -> dict:
+    reports = []
+    for r in range(world_size):
+        key = st.k("report", plan.gen, r)
+        if store.check([key]):
+            reports.append(st.get_json(store, key))
+    phases = {"detect": round(plan.detect_s, 4)}
+    for ph in PHASE_ORDER[1:]:
+        vals = [x["phases_s"].get(ph) for x in reports if ph in x.get("phases_s", {})]
+        if vals:
+            phases[ph] = round(max(vals), 4)
+    restored = reports[0]["restored_iter"] if reports else None
+    at_fail = [x["iteration_at_failure"] for x in reports if x["iteration_at_failure"] is not None]
+    return {
+        "generation": plan.gen,
+        "failed_ranks": list(plan.failed_ranks),
+        "spare_of_rank": {str(r): lid for r, lid in plan.spare_of_rank.items()},
+        "restored_iter": restored,
+        "recomputed_iters": (max(at_fail) - restored) if at_fail and restored is not None
+        else None,
+        "phases_s": phases,
+        "total_s": round(sum(phases.values()), 4),
+        "ranks_reported": len(reports),
+        # superseded: a further failure during this recovery moved on to a newer generation
+        "superseded": not reports,
+    }

@@ -1,0 +1,130 @@
+"""The worker side of membership: admission, heartbeats, the generation watcher, waiting for
+a plan, and the abortable rendezvous before a world forms.
+
+    Member.admit() ──► watcher thread: every 0.1 s
+                          current generation > the live one ──► on_generation(g)
+                          heartbeat every interval (iteration, state, committed)
+                          job stopped ──► on_stop(reason)
+
+The callbacks belong to the runtime (they abort this process's communicators, so its main
+thread reaches the recovery boundary wherever it is blocked).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+from ..errors import DeadpoolError, stopped
+from . import store as st
+from .plan import Plan
+from .store import EventKind
+
+log = logging.getLogger(__name__)
+
+WATCH_POLL_S = 0.1
+PLAN_POLL_S = 0.02
+
+
+class Member:
+    def __init__(self, lid: int, node: int, host: str, port: int, secret: str,
+                 heartbeat_interval_s: float, rendezvous_timeout_s: float):
+        self.lid, self.node = lid, node
+        self.host, self.port, self.secret = host, port, secret
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.rendezvous_timeout_s = rendezvous_timeout_s
+        self.store = st.connect(host, port, rendezvous_timeout_s)
+        self.coord = st.Coordinator(self.store, secret)
+        self.stop_reason: Optional[str] = None
+        self._stop = threading.Event()
+        self._watcher: Optional[threading.Thread] = None
+
+    # -------------------------------------------------------------- admission and watch
+    def admit(self, status: Callable[[], dict], on_generation: Callable[[int], None],
+              on_stop: Callable[[str], None]) -> None:
+        """Join the job (raises TokenError when refused), then start the watcher."""
+        self.coord.request_admission(self.lid, self.rendezvous_timeout_s)
+        self._watcher = threading.Thread(target=self._watch, name="deadpool-watcher",
+                                         args=(status, on_generation, on_stop), daemon=True)
+        self._watcher.start()
+
+    def _watch(self, status, on_generation, on_stop) -> None:
+        client = st.Coordinator(st.connect(self.host, self.port, self.rendezvous_timeout_s),
+                                self.secret)
+        seq, last_hb = 0, 0.0
+        while not self._stop.is_set():
+            try:
+                on_generation(client.current_gen())
+                now = time.monotonic()
+                if now - last_hb >= self.heartbeat_interval_s:
+                    seq += 1
+                    client.beat(self.lid, seq=seq, **status())
+                    last_hb = now
+                if self.stop_reason is None:
+                    reason = client.shutdown_reason()
+                    if reason is not None:
+                        self.stop_reason = reason
+                        on_stop(reason)
+            except Exception:  # noqa: BLE001 - the store is gone: the job is over
+                if self._stop.is_set():
+                    return
+                time.sleep(0.5)
+            time.sleep(WATCH_POLL_S)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=5)
+
+    # -------------------------------------------------------------- plans
+    def initial_plan(self) -> Plan:
+        return self.coord.get_plan(0)
+
+    def current_gen(self) -> int:
+        return self.coord.current_gen()
+
+    def raise_if_stopped(self) -> None:
+        if self.stop_reason is not None:
+            raise stopped(self.stop_reason)
+
+    def wait_for_plan(self, min_gen: int, timeout_s: Optional[float],
+                      exc: Optional[BaseException] = None) -> Plan:
+        """The newest plan of generation >= ``min_gen`` that names this process. A plan that
+        does not name it (a standby spare not chosen) is skipped. ``timeout_s`` None waits
+        for ever (a standby spare); on timeout ``exc`` is raised (the failure that started the
+        wait), else DeadpoolError. Raises JobStopped when the job stops meanwhile."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self.raise_if_stopped()
+            g = self.coord.current_gen()
+            if g >= min_gen:
+                plan = self.coord.get_plan(g)
+                if plan.rank(self.lid) is not None or timeout_s is not None:
+                    return plan
+                min_gen = g + 1
+            if deadline is not None and time.monotonic() > deadline:
+                if exc is not None:
+                    raise exc
+                raise DeadpoolError(f"no membership plan of generation >= {min_gen} arrived "
+                                    f"in {timeout_s:.0f}s")
+            time.sleep(PLAN_POLL_S)
+
+    def arrive(self, gen: int, world_size: int) -> None:
+        """Abortable rendezvous (``store.arrive``); raises GenerationMoved or JobStopped."""
+        st.arrive(self.coord, gen, world_size, self.rendezvous_timeout_s,
+                  stop=self.raise_if_stopped)
+
+    # -------------------------------------------------------------- reports
+    def push_event(self, kind: EventKind, **fields) -> None:
+        self.coord.push_event(kind, lid=self.lid, **fields)
+
+    def report_recovery(self, gen: int, rank: int, report: dict) -> None:
+        import json
+
+        self.store.set(st.k("report", gen, rank), json.dumps(report))
+
+    def claim_fault(self, index: int) -> bool:
+        """True for the first process of the job to reach scheduled fault ``index``."""
+        return self.store.add(st.k("inject", index), 1) == 1

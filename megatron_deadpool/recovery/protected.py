@@ -1,0 +1,142 @@
+"""What DeadPool protects in one worker: the attached model, optimizer, scheduler and train
+state, their in-memory mirror, and every holder of a process group (``rebind.GroupSlots``).
+
+    attach ─► initial commit (first before_step) ─► after_step: snapshot ─► ...
+    on recovery: quiesce ─► rebind(new groups, new mirror group) ─► restore(rank)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from ..errors import DeadpoolError
+from ..faults import Phase as FaultPhase
+from ..megatron import shard
+from ..megatron import train_state as ts
+from ..megatron.support import check_supported
+from ..mirror.mirror import Mirror, lower_thread_priority, native_thread_ids
+from ..mirror.transport import GlooTransport
+from . import restore
+from .quiet import CollectiveSuppressor
+from .rebind import GroupSlots
+
+log = logging.getLogger(__name__)
+
+
+class Protected:
+    def __init__(self, replicas: int, collective_timeout_s: float):
+        self.replicas, self.collective_timeout_s = replicas, collective_timeout_s
+        self.model = self.optimizer = self.scheduler = self.train_state = None
+        self.mirror: Optional[Mirror] = None
+        self.slots: Optional[GroupSlots] = None
+        self.iteration = 0
+        self.restored_meta: Optional[dict] = None
+        self.bench_modes = []
+        self._with_cuda = False
+        self._initial_commit_pending = False
+        self._suppressor: Optional[CollectiveSuppressor] = None
+
+    def quiet_startup(self) -> None:
+        """A promoted spare builds its model without talking to anyone (see quiet.py)."""
+        self._suppressor = CollectiveSuppressor()
+        self._suppressor.start()
+
+    def attach(self, model, optimizer, scheduler, train_state, handle, plan, fault_points
+               ) -> None:
+        from megatron.core import parallel_state as ps
+
+        if self._suppressor is not None:
+            self._suppressor.stop()
+        check_supported(model)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.train_state = train_state
+        self._with_cuda = handle.device.type == "cuda"
+        self._wrap_optimizer_step(optimizer, fault_points)
+        self.slots = GroupSlots([model, optimizer])
+        if self.slots.unknown:
+            log.warning("%s group slot(s) of unknown role: %s", len(self.slots.unknown),
+                        ", ".join(self.slots.unknown[:5]))
+        dp_size = ps.get_data_parallel_world_size()
+        self.mirror = Mirror(handle.rank, self.replicas, use_cuda=self._with_cuda)
+        self.mirror.set_sources(lambda: shard.shard_tensors(optimizer, placeholders=True)
+                                + shard.unreplicated_tensors(model, dp_size))
+        self.mirror.fault_hook = lambda it: fault_points(it, FaultPhase.MIRROR)
+        self._connect_mirror(plan)
+        self._initial_commit_pending = True
+
+    def _connect_mirror(self, plan) -> None:
+        before = native_thread_ids("gloo_tcp_loop")
+        transport = GlooTransport(timeout_s=self.collective_timeout_s)
+        for tid in native_thread_ids("gloo_tcp_loop") - before:  # the mirror group's I/O
+            lower_thread_priority(tid)
+        self.mirror.set_topology(transport, plan.node_of_rank)
+
+    def _wrap_optimizer_step(self, optimizer, fault_points) -> None:
+        orig = optimizer.step
+
+        def step(*args, **kwargs):
+            fault_points(self.train_state.iteration + 1, FaultPhase.OPTIMIZER)
+            self.mirror.wait()  # the snapshot of the previous step must be committed
+            return orig(*args, **kwargs)
+
+        optimizer.step = step
+
+    # ---------------------------------------------------------------- loop
+    def before_step(self, iteration: int) -> None:
+        """The first call of a fresh job commits the initial state, so that a failure in the
+        very first step rolls back to a committed state too (a restored spare skips it)."""
+        if self._initial_commit_pending:
+            self._initial_commit_pending = False
+            self.mirror.begin(iteration, self._meta(iteration))
+            self.mirror.wait()  # once, before any training: a failure in step 1 finds it
+            self.mirror.refresh_sources()  # the first step creates the optimizer state
+
+    def after_step(self, iteration: int, mirror_on: bool = True) -> None:
+        self.iteration = iteration
+        self.bench_modes.append("on" if mirror_on else "off")
+        if mirror_on:
+            self.mirror.begin(iteration, self._meta(iteration))
+
+    def _meta(self, iteration: int) -> dict:
+        meta = ts.capture(iteration, self.train_state, self.scheduler, self.optimizer,
+                          with_cuda=self._with_cuda)
+        meta["optimizer_state_empty"] = shard.optimizer_state_empty(self.optimizer)
+        return meta
+
+    # ---------------------------------------------------------------- recovery
+    def quiesce(self, timeout_s: float) -> None:
+        if not self.mirror.quiesce(timeout_s):
+            raise DeadpoolError("the mirror thread did not stop after the abort")
+        self.mirror.transport = None
+
+    def rebind(self, handle, plan) -> None:
+        """Point every holder of a group at the new generation's, and the mirror at its new
+        group and placement."""
+        self.slots.rebind()
+        self._connect_mirror(plan)
+
+    def restore(self, rank: int) -> int:
+        """Restore the newest iteration held for every rank (``restore.py``); returns it."""
+        self._initial_commit_pending = False
+        chosen, meta = restore.execute(self.mirror, self.optimizer, self.model, rank)
+        ts.apply(meta, self.train_state, self.scheduler, self.optimizer)
+        self.iteration = meta["iteration"]
+        self.restored_meta = meta
+        return chosen
+
+    # ---------------------------------------------------------------- end
+    def finish_info(self) -> dict:
+        m = self.mirror
+        if m is None:
+            return {}
+        m.wait()
+        return {"mirror_waits": m.waits, "mirror_wait_s": m.wait_s, "mirror_jobs": m.jobs,
+                "mirror_job_s": m.job_s, "bench_modes": self.bench_modes,
+                "host_bytes": m.host_bytes,
+                "mirror_bytes": m.layout.total_bytes if m.layout else 0,
+                "committed": m.committed}
+
+    def close(self) -> None:
+        if self.mirror is not None:
+            self.mirror.close()

@@ -1,0 +1,358 @@
+"""The enabled DeadPool runtime of one worker process (used through ``api.Deadpool``): a
+sequencer over membership (``membership/member.py``), the communicators (``world.py``), the
+mirror and the restore decision (``restore.py``).
+
+    WorkerState:  STANDBY ──promoted──► ACTIVE ──failure──► RECOVERING ──restored──► ACTIVE
+                  (a spare)             └──────────────finish──────────────► DONE
+
+    recovery = abort ─► rendezvous ─► rebuild_groups ─► restore_state   (then the first step
+               each step a small method taking and returning the Attempt;  is timed too)
+               a failure inside an attempt starts the next one on a newer generation,
+               at most MAX_ATTEMPTS, each wait bounded by the rendezvous timeout.
+
+A failure is a membership fact, not an exception type: ``recover`` goes on only if this
+generation was aborted (a newer one exists) or, after a communication error, a newer one
+appears within the heartbeat timeout. A local error is re-raised at once, with its traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from ..config import DeadpoolConfig
+from ..errors import DeadpoolError, JobStopped, MirrorError, RebindAuditError
+from ..faults import FaultPoints, Phase as FaultPhase
+from ..membership.member import Member
+from ..membership.plan import Plan
+from ..membership.store import EventKind, GenerationMoved, WorkerState
+from ..worker_env import WorkerEnv
+from .abort import all_process_groups
+from .classify import is_comm_failure, is_peer_failure
+from .phases import EventSink, Phase, PhaseTimer
+from .rebind import heap_audit, weak_groups
+from .world import World
+
+log = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 8  # recovery attempts per failure (each on a newer generation)
+NEW_GEN_POLL_S = 0.02
+
+
+@dataclass
+class Attempt:
+    """What one recovery attempt carries from step to step."""
+
+    cause: BaseException
+    iteration_at_failure: Optional[int]   # None: a promoted spare's own restore
+    timer: PhaseTimer
+    plan: Optional[Plan] = None
+    old_groups: list = field(default_factory=list)
+    restored: int = -1
+
+
+def _drop_traceback(exc: BaseException) -> None:
+    """The failed step's frames hold the old groups (schedules, p2p communicators): clear
+    them so the old generation can be freed."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+            exc.__traceback__ = None
+        exc = exc.__context__ or exc.__cause__
+
+
+class Runtime:
+    def __init__(self, handle, config: DeadpoolConfig, env: WorkerEnv, member: Member,
+                 world: World, attachment):
+        self.h, self.config, self.env = handle, config, env
+        self.member, self.world, self.att = member, world, attachment
+        self.sink = EventSink(config.events_path)
+        self.faults = FaultPoints(env.faults, rank=lambda: self.h.rank, node=env.node,
+                                  claim=member.claim_fault, report=self._report_fault)
+        self.state = WorkerState.STANDBY
+        self.plan: Optional[Plan] = None
+        self.promoted = False
+        self.recoveries: List[dict] = []
+        self._first_step: Optional[tuple] = None
+        self._promote_t0 = 0.0
+        self._closed = False
+
+    # ================================================================ membership
+    def join(self) -> None:
+        self.member.admit(self._status, self._on_generation, self._on_stop)
+        plan = self._standby() if self.env.role == "spare" else self.member.initial_plan()
+        self._form_world(plan, with_groups=False)
+
+    def _standby(self) -> Plan:
+        log.info("standby spare on node %s: waiting for an assignment", self.env.node)
+        try:
+            plan = self.member.wait_for_plan(min_gen=1, timeout_s=None)
+        except JobStopped as exc:
+            log.info("spare released: %s", exc)
+            self.close(destroy=False)
+            raise SystemExit(0) from None
+        self.promoted, self._promote_t0 = True, time.perf_counter()
+        self.sink.emit("promoted", lid=self.env.lid, rank=plan.rank(self.env.lid),
+                       generation=plan.gen)
+        return plan
+
+    def _status(self) -> dict:
+        m = self.att.mirror
+        return {"iteration": self.att.iteration, "state": self.state.value,
+                "committed": m.committed if m is not None else -1}
+
+    def _on_generation(self, gen: int) -> None:
+        self.world.abort(f"generation {gen} published", self.h.rank, newer_than=gen)
+
+    def _on_stop(self, reason: str) -> None:
+        if self.state not in (WorkerState.DONE, WorkerState.STANDBY):
+            self.world.abort("job stopped: " + reason, self.h.rank)
+
+    def _report_fault(self, fault, iteration: int, phase: str) -> None:
+        self.member.push_event(EventKind.FAULT_REQUEST, index=fault.index, rank=self.h.rank,
+                               node=self.env.node, iteration=iteration, phase=phase)
+        log.info("fault %s delivered at iteration %s (%s)", fault.kind, iteration, phase)
+
+    def _adopt(self, plan: Plan) -> None:
+        rank = plan.rank(self.env.lid)
+        if rank is None:
+            from ..errors import StaleGenerationError
+
+            raise StaleGenerationError(f"process {self.env.lid} is not a member of generation "
+                                       f"{plan.gen} (it was declared failed); exiting")
+        self.plan = plan
+        self.h.set_rank(rank, plan.world_size)
+
+    def _form_world(self, plan: Plan, with_groups: bool) -> None:
+        """Adopt ``plan`` and build its world (``with_groups``: and the model-parallel
+        groups). If a peer dies meanwhile, take the next generation's plan and build again."""
+        for _ in range(MAX_ATTEMPTS):
+            self._adopt(plan)
+            try:
+                self.member.arrive(plan.gen, plan.world_size)
+            except GenerationMoved as moved:
+                plan = self._wait_for_plan(moved)
+                continue
+            try:
+                self.world.init_process_group(self.member.store, plan.gen, self.h.rank,
+                                              plan.world_size)
+                if with_groups:
+                    self.world.build_groups()
+                return
+            except Exception as exc:  # noqa: BLE001 - classified right below
+                if not is_peer_failure(exc, aborted=False):
+                    raise
+                log.info("generation %s: the world did not form (%s); waiting for the next",
+                         plan.gen, type(exc).__name__)
+                self.world.destroy()
+                plan = self._wait_for_plan(exc)
+        raise DeadpoolError(f"the world did not form in {MAX_ATTEMPTS} generations")
+
+    def _wait_for_plan(self, cause: BaseException) -> Plan:
+        return self.member.wait_for_plan(self.plan.gen + 1, self.config.rendezvous_timeout_s,
+                                         cause)
+
+    def initialize_model_parallel(self, kwargs: dict) -> None:
+        """First build of the model-parallel groups (recorded, replayed on every rebuild)."""
+        self.world.mp_kwargs = dict(kwargs)
+        try:
+            self.world.build_groups()
+        except Exception as exc:  # noqa: BLE001 - classified right below
+            if not is_peer_failure(exc, aborted=False):
+                raise
+            self.world.destroy()
+            self._form_world(self._wait_for_plan(exc), with_groups=True)
+        self.world.set_collective_timeouts()
+        if self.promoted:
+            self.att.quiet_startup()
+
+    # ================================================================ attach and loop
+    def attach(self, model, optimizer, scheduler, train_state) -> None:
+        self.att.attach(model, optimizer, scheduler, train_state, self.h, self.plan,
+                        fault_points=self.faults)
+        self.state = WorkerState.ACTIVE
+        if not self.promoted:
+            return
+        timer = PhaseTimer(self.sink, self.plan.gen, self.h.rank)
+        timer.record(Phase.REBUILD_GROUPS, time.perf_counter() - self._promote_t0)
+        attempt = Attempt(cause=DeadpoolError("promoted"), iteration_at_failure=None,
+                          timer=timer, plan=self.plan)
+        try:
+            self._begin_first_step(self._restore_state(attempt))
+        except Exception as exc:  # noqa: BLE001 - a peer failed while this spare restored
+            if not self._failed_again(exc):
+                raise
+            self._recover_until_done(exc, iteration_at_failure=None)
+
+    def before_step(self, iteration: int) -> None:
+        self.att.before_step(iteration)
+        self.faults(iteration + 1, FaultPhase.FORWARD_BACKWARD)
+
+    def after_step(self, iteration: int) -> None:
+        self.att.after_step(iteration, mirror_on=self._mirror_on(iteration))
+        if self._first_step is not None:
+            timer, t0, report = self._first_step
+            self._first_step = None
+            timer.record(Phase.FIRST_STEP, time.perf_counter() - t0)
+            report["phases_s"] = timer.durations
+            self.member.report_recovery(self.plan.gen, self.h.rank, report)
+            self.recoveries.append(report)
+
+    def _mirror_on(self, iteration: int) -> bool:
+        block = self.env.bench_block
+        return not block or ((iteration - 1) // block) % 2 == 0
+
+    # ================================================================ recovery
+    def recover(self, exc: BaseException) -> None:
+        """The recovery boundary. Returns with every rank restored to the same committed
+        iteration on a rebuilt world; re-raises ``exc`` if no membership change backs it."""
+        if self.state != WorkerState.ACTIVE or not self._membership_changed(exc):
+            raise exc
+        first = str(exc).splitlines()[0][:160] if str(exc) else ""
+        log.info("failure seen at iteration %s: %s: %s", self.att.iteration,
+                 type(exc).__name__, first)
+        self._recover_until_done(exc, self.att.iteration)
+
+    def _membership_changed(self, exc: BaseException) -> bool:
+        """Aborted: a newer generation exists. A communication error: wait up to the
+        heartbeat timeout for one (the decider needs that long to see a hang). Anything
+        else is local: False at once."""
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            return False
+        if self.world.aborted:
+            return True
+        if not is_comm_failure(exc):
+            return False
+        deadline = time.monotonic() + self.config.heartbeat_timeout_s
+        while time.monotonic() < deadline:
+            self.member.raise_if_stopped()
+            if self.member.current_gen() > self.plan.gen:
+                return True
+            time.sleep(NEW_GEN_POLL_S)
+        return False
+
+    def _failed_again(self, exc: BaseException) -> bool:
+        if isinstance(exc, DeadpoolError) and not isinstance(exc, MirrorError):
+            return False  # a stop, a stale generation, no committed state: terminal
+        return self.world.aborted or is_comm_failure(exc)
+
+    def _recover_until_done(self, exc: BaseException, iteration_at_failure: Optional[int]
+                            ) -> None:
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            a = Attempt(cause=exc, iteration_at_failure=iteration_at_failure,
+                        timer=PhaseTimer(self.sink, self.plan.gen + 1, self.h.rank))
+            try:
+                self.state = WorkerState.RECOVERING
+                for step in (self._abort, self._rendezvous, self._rebuild_groups,
+                             self._restore_state):
+                    a = step(a)
+                self._begin_first_step(a)
+                self.state = WorkerState.ACTIVE
+                return
+            except Exception as again:  # noqa: BLE001 - classified right below
+                if not self._failed_again(again):
+                    raise
+                self.member.raise_if_stopped()
+                log.info("failure during recovery attempt %s (%s); starting over on the next "
+                         "generation", attempt, type(again).__name__)
+                exc = again
+        raise DeadpoolError(f"recovery did not succeed in {MAX_ATTEMPTS} attempts; last "
+                            f"failure: {type(exc).__name__}: {exc}")
+
+    def _abort(self, a: Attempt) -> Attempt:
+        a.timer.start(Phase.ABORT)
+        self.world.abort(f"{type(a.cause).__name__} in the training step", self.h.rank)
+        self.att.quiesce(self.config.rendezvous_timeout_s)
+        _drop_traceback(a.cause)
+        if self.config.audit == "full":
+            a.old_groups = weak_groups(all_process_groups())
+        self.world.destroy()
+        return a
+
+    def _rendezvous(self, a: Attempt) -> Attempt:
+        a.timer.start(Phase.RENDEZVOUS)
+        a.plan = self._wait_for_plan(a.cause)
+        if a.iteration_at_failure is not None:  # test hook: a peer dies while the world forms
+            self._adopt(a.plan)
+            self.faults(a.iteration_at_failure + 1, FaultPhase.RENDEZVOUS)
+        self._form_world(a.plan, with_groups=False)
+        a.plan = self.plan
+        return a
+
+    def _rebuild_groups(self, a: Attempt) -> Attempt:
+        a.timer.start(Phase.REBUILD_GROUPS)
+        self.world.build_groups()
+        self.att.rebind(self.h, self.plan)
+        self._audit(a.old_groups)
+        self.world.set_collective_timeouts()
+        return a
+
+    def _audit(self, old_groups) -> None:
+        if self.config.audit == "none":
+            return
+        self.att.slots.audit()
+        if self.config.audit == "full":
+            leaks = heap_audit(old_groups)
+            if leaks:
+                raise RebindAuditError(f"{len(leaks)} old process group(s) still alive after "
+                                       f"the rebuild: {leaks[:5]}")
+            self.sink.emit("audit", generation=self.plan.gen, rank=self.h.rank, mode="full",
+                           old_groups=len(old_groups), leaked=0)
+
+    def _restore_state(self, a: Attempt) -> Attempt:
+        a.timer.start(Phase.RESTORE_STATE)
+        if a.iteration_at_failure is not None:
+            self.faults(a.iteration_at_failure + 1, FaultPhase.RESTORE_STATE)
+        a.restored = self.att.restore(self.h.rank)
+        a.timer.stop()
+        return a
+
+    def _begin_first_step(self, a: Attempt) -> None:
+        report = {"generation": self.plan.gen, "rank": self.h.rank, "lid": self.env.lid,
+                  "spare": self.promoted and a.iteration_at_failure is None,
+                  "restored_iter": a.restored, "iteration_at_failure": a.iteration_at_failure,
+                  "failed_ranks": list(self.plan.failed_ranks)}
+        log.info("generation %s: restored iteration %s", self.plan.gen, a.restored)
+        self.sink.emit("restored", generation=self.plan.gen, rank=self.h.rank,
+                       iteration=a.restored)
+        self._first_step = (a.timer, time.perf_counter(), report)
+
+    # ================================================================ end
+    def finish(self) -> dict:
+        info = self.att.finish_info()
+        self.state = WorkerState.DONE
+        self.member.push_event(EventKind.DONE, rank=self.h.rank)
+        self.close(destroy=False)
+        return {"recoveries": self.recoveries, "generation": self.plan.gen, **info}
+
+    def report_fatal(self, exc: BaseException) -> None:
+        """This process stops on an error that recovery cannot or must not handle: tell the
+        decider, which stops the job with this reason instead of spending a spare."""
+        if self.state == WorkerState.DONE or self._closed or isinstance(exc, JobStopped):
+            return
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        try:
+            self.member.push_event(EventKind.FATAL, rank=self.h.rank,
+                                   error=f"{type(exc).__name__}: {exc}"[:500],
+                                   traceback=text[-4000:])
+        except Exception:  # noqa: BLE001 - the coordinator is gone: nothing to tell
+            pass
+
+    def close(self, destroy: bool = True) -> None:
+        """Stop the threads and (``destroy``) free every communicator before the process
+        exits: exiting with live gloo groups and threads ends in std::terminate at
+        interpreter shutdown."""
+        if self._closed:
+            return
+        self._closed = True
+        self.member.close()
+        self.att.close()
+        if destroy:
+            self.world.destroy()
+        else:
+            self.world.forget()

@@ -1,0 +1,90 @@
+"""This process's communicators across generations: form a generation's world, replay the
+model-parallel groups, abort them when the generation moves on, destroy them.
+
+    form(plan) ──► arrive (abortable) ──► init_process_group (bounded by the rendezvous
+        timeout) ──► [build_groups] ──► set_collective_timeouts ... abort() ──► destroy()
+
+``abort`` may run on the watcher thread while the main thread is blocked in a collective;
+the lock keeps it from racing with ``init_process_group`` publishing a new live generation.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from datetime import timedelta
+from typing import Callable, Optional
+
+from . import abort as ab
+
+
+class World:
+    def __init__(self, backend: str, store_port: int, rendezvous_timeout_s: float,
+                 collective_timeout_s: float, emit: Callable[..., None]):
+        self.backend, self.store_port = backend, store_port
+        self.rendezvous_timeout_s = rendezvous_timeout_s
+        self.collective_timeout_s = collective_timeout_s
+        self.emit = emit
+        self.mp_kwargs: Optional[dict] = None  # initialize_model_parallel's, recorded
+        self.aborted = False
+        self._live_gen: Optional[int] = None
+        self._lock = threading.Lock()
+
+    @property
+    def live_gen(self) -> Optional[int]:
+        with self._lock:
+            return self._live_gen
+
+    def init_process_group(self, store, gen: int, rank: int, world_size: int) -> None:
+        """Bounded by the rendezvous timeout while the world forms (a peer that dies now must
+        not hold everyone for the collective timeout); ``set_collective_timeouts`` raises it
+        once the groups exist."""
+        import torch.distributed as dist
+
+        if self.backend == "nccl":
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        dist.init_process_group(backend=self.backend, store=dist.PrefixStore(f"gen{gen}/", store),
+                                rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=self.rendezvous_timeout_s))
+        with self._lock:
+            self._live_gen = gen
+            self.aborted = False
+
+    def build_groups(self) -> None:
+        """Replay ``initialize_model_parallel`` with the recorded arguments; group creation
+        is bounded by the rendezvous timeout like the world's."""
+        from megatron.core import parallel_state as ps
+
+        kwargs = dict(self.mp_kwargs or {})
+        if "distributed_timeout_minutes" in kwargs:
+            kwargs["distributed_timeout_minutes"] = self.rendezvous_timeout_s / 60
+        ps.initialize_model_parallel(**kwargs)
+
+    def set_collective_timeouts(self) -> None:
+        from torch.distributed import distributed_c10d as c10d
+
+        minutes = (self.mp_kwargs or {}).get("distributed_timeout_minutes")
+        seconds = minutes * 60 if minutes else self.collective_timeout_s
+        for pg in ab.all_process_groups():
+            c10d._set_pg_timeout(timedelta(seconds=seconds), pg)
+
+    def abort(self, reason: str, rank: int, newer_than: Optional[int] = None) -> None:
+        """Abort the live generation's communicators (``newer_than``: only if the live
+        generation is older than that). Idempotent; safe from any thread."""
+        with self._lock:
+            live = self._live_gen
+            if live is None or (newer_than is not None and newer_than <= live):
+                return
+            info = ab.abort_communicators(self.backend, self.store_port)
+            self.aborted = True
+            self._live_gen = None
+        self.emit("abort", generation=live, rank=rank, reason=reason, **info)
+
+    def forget(self) -> None:
+        """The live generation is over without an abort (it never formed, or we exit)."""
+        with self._lock:
+            self._live_gen = None
+
+    def destroy(self) -> None:
+        self.forget()
+        ab.destroy_world()

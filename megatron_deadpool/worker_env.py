@@ -1,0 +1,94 @@
+"""What the launcher tells each worker process, in one place: :class:`WorkerEnv` with
+``to_env()`` (written by the launcher and node agent) and ``from_env()`` (read once, by
+``Deadpool.start``). The job secret is not in it: it travels out of band
+(``membership/auth.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, field
+from typing import List, Mapping, Optional
+
+from . import faults as fault_schedule
+from .errors import DeadpoolError
+
+_NAMES = {"lid": "DEADPOOL_LID", "node": "DEADPOOL_NODE", "role": "DEADPOOL_ROLE",
+          "store_host": "DEADPOOL_STORE_HOST", "store_port": "DEADPOOL_STORE_PORT",
+          "results_dir": "DEADPOOL_RESULTS_DIR", "faults": "DEADPOOL_INJECT",
+          "bench_block": "DEADPOOL_BENCH_BLOCK", "local_rank": "LOCAL_RANK", "rank": "RANK",
+          "world_size": "WORLD_SIZE", "master_addr": "MASTER_ADDR",
+          "master_port": "MASTER_PORT"}
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    lid: int = -1                 # launcher process id (stable for the process's life)
+    node: int = -1
+    role: str = "active"          # active | spare
+    store_host: str = "127.0.0.1"
+    store_port: int = 0
+    results_dir: Optional[str] = None
+    faults: List[fault_schedule.Fault] = field(default_factory=list)  # test schedule
+    # Benchmark only (`deadpool bench overhead`): snapshot in alternating blocks of this many
+    # iterations, so mirror-on and mirror-off steps are measured in one job. 0: always on.
+    bench_block: int = 0
+    local_rank: int = 0
+    rank: Optional[int] = None    # None for a standby spare
+    world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+    def to_env(self) -> dict:
+        out = {}
+        for name, var in _NAMES.items():
+            v = getattr(self, name)
+            if name == "faults":
+                v = fault_schedule.to_json(v)
+            elif isinstance(v, enum.Enum):
+                v = v.value
+            if v is not None:
+                out[var] = str(v)
+        return out
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> "WorkerEnv":
+        """Raises DeadpoolError when the process was not started by ``deadpool launch``."""
+        missing = [_NAMES[n] for n in ("lid", "node", "store_port") if _NAMES[n] not in env]
+        if missing:
+            raise DeadpoolError(f"--deadpool needs {', '.join(missing)} in the environment: "
+                                "start the job with `deadpool launch`")
+        get = lambda n, d=None: env.get(_NAMES[n], d)  # noqa: E731
+        return cls(lid=int(get("lid")), node=int(get("node")), role=get("role", "active"),
+                   store_host=get("store_host", "127.0.0.1"),
+                   store_port=int(get("store_port")), results_dir=get("results_dir"),
+                   faults=fault_schedule.from_json(get("faults", "")),
+                   bench_block=int(get("bench_block", "0")),
+                   local_rank=int(get("local_rank", "0")),
+                   rank=int(get("rank")) if get("rank") is not None else None,
+                   world_size=int(get("world_size", "1")),
+                   master_addr=get("master_addr", "127.0.0.1"),
+                   master_port=int(get("master_port", "0")))
+
+    @staticmethod
+    def variables() -> List[str]:
+        """Every variable a worker's environment carries (the agent clears them first)."""
+        return list(_NAMES.values())
+
+
+def log_to_stdout(env: Mapping[str, str] = os.environ) -> None:
+    """Worker entry points (the reference trainer, the child wrapper): the package's log
+    messages go to stdout as ``[deadpool lidN] ...`` (the agent prefixes node and rank)."""
+    import logging
+    import sys
+
+    logger = logging.getLogger("megatron_deadpool")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(
+        f"[deadpool lid{env.get(_NAMES['lid'], '?')}] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
