@@ -25,6 +25,7 @@ from .megatron import state as train_state_io
 from .megatron.support import check_supported
 from .membership import auth
 from .membership import store as st
+from .mirror import snapshot
 from .mirror.mirror import Mirror, MirrorError, lower_thread_priority, native_thread_ids
 from .mirror.transport import GlooTransport
 from .recovery import abort as ab
@@ -278,6 +279,7 @@ class Runtime:
         self.mirror.set_sources(lambda: shard.shard_tensors(optimizer, placeholders=True)
                                 + shard.unreplicated_tensors(model, dp_size))
         self.mirror.fault_hook = lambda it: self.fault_point(it, "mirror")
+        self.mirror.job = snapshot.job_id(self.token)
         self._connect_mirror()
         self.state = "ACTIVE"
         if not self._joined_as_spare:
