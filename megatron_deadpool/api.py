@@ -79,18 +79,21 @@ class Deadpool:
     def _make_runtime(self, env: WorkerEnv):
         from .membership import auth
         from .membership.member import Member
+        from .mirror import snapshot
         from .recovery.phases import EventSink
         from .recovery.protected import Protected
         from .recovery.runtime import Runtime
         from .recovery.world import World
 
         cfg = self.config
-        member = Member(env.lid, env.node, env.store_host, env.store_port, auth.load_secret(),
+        secret = auth.load_secret()
+        member = Member(env.lid, env.node, env.store_host, env.store_port, secret,
                         cfg.heartbeat_interval_s, cfg.rendezvous_timeout_s)
         world = World(self.backend, env.store_port, cfg.rendezvous_timeout_s,
                       cfg.collective_timeout_s, EventSink(cfg.events_path).emit)
         return Runtime(self, cfg, env, member, world,
-                       Protected(cfg.replicas, cfg.collective_timeout_s))
+                       Protected(cfg.replicas, cfg.collective_timeout_s,
+                                 snapshot.job_id(secret)))
 
     def set_rank(self, rank: int, world_size: int) -> None:
         """This process's rank in the current generation (a spare takes a dead rank's)."""

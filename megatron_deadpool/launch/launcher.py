@@ -103,6 +103,8 @@ def _setup(opts: LaunchOptions, cfg, faults, say, out) -> Job:
         job.store = st.connect(opts.master_addr, store_port,
                                timeout_s=cfg.rendezvous_timeout_s, is_master=job.hosts_store)
         job.coord = st.Coordinator(job.store, token)
+        if not job.hosts_store:
+            job.coord.check_secret(cfg.rendezvous_timeout_s)  # wrong token: start nothing
     base_env = {k: v for k, v in os.environ.items() if k not in WorkerEnv.variables()}
     base_env.update({"DEADPOOL_TOKEN": token, "PYTHONUNBUFFERED": "1"})
     if opts.script:

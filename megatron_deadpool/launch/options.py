@@ -78,11 +78,22 @@ def validate(opts: LaunchOptions):
 
         targs = validate_trainer(parse_args(opts.trainer_argv), opts.world_size)
         cfg, train_iters = targs.deadpool_config, targs.train_iters
+        if cfg.enabled:
+            from ..megatron.lm_rules import check_installed_megatron_core
+
+            check_installed_megatron_core()
     else:
         if not os.path.exists(opts.script):
             raise ConfigError(f"--script {opts.script} does not exist")
         cfg, train_iters = _deadpool_config(opts.trainer_argv), _flag_int(
             opts.trainer_argv, "--train-iters")
+        from ..trainer.args import check_layout
+
+        a = opts.trainer_argv
+        check_layout(opts.world_size, _flag_int(a, "--tensor-model-parallel-size", 1),
+                     _flag_int(a, "--pipeline-model-parallel-size", 1),
+                     _flag_int(a, "--micro-batch-size"), _flag_int(a, "--global-batch-size"),
+                     cp=_flag_int(a, "--context-parallel-size", 1))
     if opts.script is not None and cfg.enabled:
         from ..megatron import tree
 
@@ -108,14 +119,18 @@ def validate(opts: LaunchOptions):
     return cfg, faults
 
 
-def _flag_int(argv: List[str], flag: str) -> Optional[int]:
-    for i, x in enumerate(argv[:-1]):
-        if x == flag:
-            try:
-                return int(argv[i + 1])
-            except ValueError:
-                raise ConfigError(f"{flag} needs an integer, got {argv[i + 1]!r}") from None
-    return None
+def _flag_int(argv: List[str], flag: str, default: Optional[int] = None) -> Optional[int]:
+    """The value of ``flag N`` or ``flag=N`` (the last one, as argparse takes it)."""
+    value = None
+    for i, x in enumerate(argv):
+        if x == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif x.startswith(flag + "="):
+            value = x[len(flag) + 1:]
+    try:
+        return default if value is None else int(value)
+    except ValueError:
+        raise ConfigError(f"{flag} needs an integer, got {value!r}") from None
 
 
 def worker_command(opts: LaunchOptions) -> List[str]:

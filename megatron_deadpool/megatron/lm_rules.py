@@ -91,6 +91,22 @@ def check_megatron_version(version: str) -> None:
             "scripts/apply_patches.sh")
 
 
+def check_installed_megatron_core() -> None:
+    """The reference trainer runs on the installed megatron-core: with ``--deadpool``,
+    another version is refused at launch, before any worker starts."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        raise ConfigError("megatron-core is not installed: pip install "
+                          f"megatron-core=={SUPPORTED_MEGATRON[0]}") from None
+    if version not in SUPPORTED_MEGATRON:
+        raise ConfigError(f"--deadpool supports megatron-core {', '.join(SUPPORTED_MEGATRON)}; "
+                          f"the installed one is {version} (pip install "
+                          f"megatron-core=={SUPPORTED_MEGATRON[0]})")
+
+
 def cpu_flags(argv: List[str]) -> List[str]:
     """The Megatron-LM flags ``deadpool launch --device cpu`` adds when they are missing.
     Pure. Each entry: (flag present-test names, flags to add)."""

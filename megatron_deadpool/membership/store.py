@@ -152,6 +152,17 @@ class Coordinator:
         if not body.get("ok"):
             raise TokenError(f"coordinator refused process {lid}: {body.get('why')}")
 
+    def check_secret(self, timeout_s: float) -> None:
+        """For a node agent that does not host the store: the job's first plan must open
+        with this process's secret. Raises TokenError (a wrong DEADPOOL_TOKEN) before the
+        agent starts anything."""
+        self.raw.wait([k("plan", 0)], timedelta(seconds=timeout_s))
+        try:
+            self.get_plan(0)
+        except auth.AuthError:
+            raise TokenError("the coordinator's plan is not signed with this node's job "
+                             "secret (wrong DEADPOOL_TOKEN)") from None
+
     def answer_admission(self, lid: int, nonce: str, ok: bool, why: str = "") -> None:
         self.raw.set(k("admit", lid, nonce), auth.seal(
             self.secret, {"lid": lid, "nonce": nonce, "ok": ok, "why": why}))

@@ -192,12 +192,13 @@ class Mirror:
             event.synchronize()
         else:
             snapshot.copy_tensors_in(slot, self.layout, self._tensors)
-        snapshot.seal(slot, self.layout, self.rank, iteration, meta)
+        snapshot.seal(slot, self.layout, self.rank, iteration, meta, self.job)
         self.own_iter[idx] = iteration
         self._maybe_fault(iteration)
         self._exchange_and_commit(iteration)
 
     fault_hook: Optional[Callable[[int], None]] = None
+    job: int = 0  # snapshot.job_id(secret): copies of another job are refused
 
     def _maybe_fault(self, iteration: int) -> None:
         if self.fault_hook is not None:
@@ -229,7 +230,7 @@ class Mirror:
         ok = True
         for o in owners:
             try:
-                snapshot.verify(self.recv[o][idx], o, iteration)
+                snapshot.verify(self.recv[o][idx], o, iteration, job=self.job)
                 self.recv_iter[o][idx] = iteration
             except MirrorCorruptError:
                 ok = False
@@ -255,7 +256,7 @@ class Mirror:
         slot = self.own[iteration % 2]
         self.refresh_sources()
         layout = self.ensure_layout()
-        meta = snapshot.verify(slot, self.rank, iteration, layout)
+        meta = snapshot.verify(slot, self.rank, iteration, layout, self.job)
         snapshot.copy_tensors_out(slot, layout, self._tensors)
         self.refresh_sources()
         return meta

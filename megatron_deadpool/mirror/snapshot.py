@@ -3,13 +3,14 @@ tensor a rank needs to resume, and a small metadata blob (RNG, iteration, schedu
 
 Slot format (little endian)::
 
-    +-------------------- header: 8 x int64 ---------------------+------------+-----------+
+    +------------- header: 9 x int64, padded to 128 bytes ------+------------+-----------+
     | magic | owner rank | iteration | tensor bytes | meta bytes |  tensors   | meta blob |
-    | crc32 | layout id  | tensor end|                           | (packed)   | (pickle)  |
+    | crc32 | layout id  | tensor end| job id                    | (packed)   | (pickle)  |
     +------------------------------------------------------------+------------+-----------+
 
 The checksum covers tensors and metadata; it is verified before anything is restored, and a
-copy with the wrong owner or iteration is refused the same way.
+copy of another job (job id: a hash of the job secret), owner, iteration or layout (layout id:
+a hash of every tensor's name, shape and dtype) is refused the same way.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import torch
 from ..errors import MirrorCorruptError
 
 MAGIC = 0x44504F4F4C4D4952  # "DPOOLMIR"
-HEADER_WORDS = 8
-HEADER_BYTES = HEADER_WORDS * 8
+HEADER_WORDS = 9
 ALIGN = 64
+HEADER_BYTES = 128  # HEADER_WORDS x 8, padded so the first tensor stays ALIGN-aligned
 
 
 def _align(n: int) -> int:
@@ -55,8 +56,8 @@ class Layout:
         self.meta_capacity = meta_capacity
         self.total_bytes = _align(off + meta_capacity)
         h = hashlib.sha256()
-        for e in self.entries:
-            h.update(f"{e.name}:{e.nbytes};".encode())
+        for e, (_, t) in zip(self.entries, named):
+            h.update(f"{e.name}:{e.nbytes}:{tuple(t.shape)}:{t.dtype};".encode())
         self.layout_id = int.from_bytes(h.digest()[:7], "little")
 
     @property
@@ -69,6 +70,13 @@ def alloc_slot(nbytes: int, pin: bool) -> torch.Tensor:
     buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
     buf.zero_()  # touch the pages now, not during the first snapshot
     return buf
+
+
+def job_id(secret: str) -> int:
+    """The job identity a slot carries: 7 bytes of a hash of the job secret (never the secret
+    itself), so a copy written by another job is refused even at the same rank and iteration."""
+    return int.from_bytes(hashlib.sha256(b"deadpool-mirror:" + secret.encode()).digest()[:7],
+                          "little")
 
 
 def _flat_u8(t: torch.Tensor) -> torch.Tensor:
@@ -86,7 +94,7 @@ def copy_tensors_in(slot: torch.Tensor, layout: Layout, tensors: Sequence[torch.
 
 
 def _header(slot: torch.Tensor) -> torch.Tensor:
-    return slot[:HEADER_BYTES].view(torch.int64)
+    return slot[:HEADER_WORDS * 8].view(torch.int64)
 
 
 def _crc(slot: torch.Tensor, tensor_end: int, meta_len: int) -> int:
@@ -95,7 +103,8 @@ def _crc(slot: torch.Tensor, tensor_end: int, meta_len: int) -> int:
     return zlib.crc32(mv[tensor_end:tensor_end + meta_len], crc)
 
 
-def seal(slot: torch.Tensor, layout: Layout, owner: int, iteration: int, meta: dict) -> None:
+def seal(slot: torch.Tensor, layout: Layout, owner: int, iteration: int, meta: dict,
+         job: int = 0) -> None:
     """Write the metadata blob, checksum and header (host side, after the tensor copy)."""
     blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
     if len(blob) > layout.meta_capacity:
@@ -106,23 +115,27 @@ def seal(slot: torch.Tensor, layout: Layout, owner: int, iteration: int, meta: d
     h = _header(slot)
     h[:] = torch.tensor([MAGIC, owner, iteration, layout.tensor_bytes, len(blob),
                          _crc(slot, layout.tensor_end, len(blob)), layout.layout_id,
-                         layout.tensor_end], dtype=torch.int64)
+                         layout.tensor_end, job], dtype=torch.int64)
 
 
 def read_header(slot: torch.Tensor) -> dict:
     h = _header(slot).tolist()
     return {"magic": h[0], "owner": h[1], "iteration": h[2], "tensor_bytes": h[3],
-            "meta_len": h[4], "crc": h[5], "layout_id": h[6], "tensor_end": h[7]}
+            "meta_len": h[4], "crc": h[5], "layout_id": h[6], "tensor_end": h[7], "job": h[8]}
 
 
-def verify(slot: torch.Tensor, owner: int, iteration: int, layout: "Layout | None" = None
-           ) -> dict:
-    """Check magic, owner, iteration, checksum and (when given) the layout. Returns the
-    metadata. A holder verifies with the header alone; the owner also checks its layout."""
+def verify(slot: torch.Tensor, owner: int, iteration: int, layout: "Layout | None" = None,
+           job: int = 0) -> dict:
+    """Check magic, job, owner, iteration, checksum and (when given) the layout. Returns the
+    metadata. A holder verifies with the header alone; the owner also checks its layout.
+    Nothing is copied out of the slot here: a refused copy never reaches the live tensors."""
     h = read_header(slot)
     where = f"mirror copy of rank {owner} iteration {iteration}"
     if h["magic"] != MAGIC:
         raise MirrorCorruptError(f"{where}: bad magic (never written or overwritten)")
+    if h["job"] != job:
+        raise MirrorCorruptError(f"{where}: written by another job (job id {h['job']:#x}, "
+                                 f"this job {job:#x})")
     if h["owner"] != owner or h["iteration"] != iteration:
         raise MirrorCorruptError(f"{where}: holds rank {h['owner']} iteration {h['iteration']}")
     if layout is not None and (h["layout_id"] != layout.layout_id

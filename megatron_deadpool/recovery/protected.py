@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 
 
 class Protected:
-    def __init__(self, replicas: int, collective_timeout_s: float):
+    def __init__(self, replicas: int, collective_timeout_s: float, job_id: int = 0):
         self.replicas, self.collective_timeout_s = replicas, collective_timeout_s
+        self.job_id = job_id  # snapshot.job_id(secret): copies of another job are refused
         self.model = self.optimizer = self.scheduler = self.train_state = None
         self.mirror: Optional[Mirror] = None
         self.slots: Optional[GroupSlots] = None
@@ -62,6 +63,7 @@ class Protected:
         self.mirror.set_sources(lambda: shard.shard_tensors(optimizer, placeholders=True)
                                 + shard.unreplicated_tensors(model, dp_size))
         self.mirror.fault_hook = lambda it: fault_points(it, FaultPhase.MIRROR)
+        self.mirror.job = self.job_id
         self._connect_mirror(plan)
         self._initial_commit_pending = True
 

@@ -64,6 +64,29 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+def check_layout(world_size: int, tp: int, pp: int, micro_batch_size: Optional[int],
+                 global_batch_size: Optional[int], cp: int = 1) -> int:
+    """The parallel layout and batch sizes against the world size (also used by the
+    launcher for ``--script``, where Megatron-LM would fail later in every rank). Returns the
+    data-parallel size. Batch sizes that are not given are not checked."""
+    for name, v in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                    ("--context-parallel-size", cp), ("--micro-batch-size", micro_batch_size),
+                    ("--global-batch-size", global_batch_size)):
+        if v is not None and v <= 0:
+            raise ConfigError(f"{name} must be positive, got {v}")
+    model = tp * pp * cp
+    if world_size % model:
+        what = "tensor-parallel x pipeline-parallel" + (" x context-parallel" if cp > 1 else "")
+        sizes = " x ".join(str(x) for x in ((tp, pp, cp) if cp > 1 else (tp, pp)))
+        raise ConfigError(f"world size {world_size} is not divisible by {what} = {sizes} = "
+                          f"{model}")
+    dp = world_size // model
+    if micro_batch_size and global_batch_size and global_batch_size % (micro_batch_size * dp):
+        raise ConfigError(f"--global-batch-size {global_batch_size} is not divisible by "
+                          f"--micro-batch-size x data-parallel = {micro_batch_size} x {dp}")
+    return dp
+
+
 def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check the flags against each other and the world size; fill derived values."""
     missing = ["--" + n.replace("_", "-") for n in REQUIRED if getattr(args, n) is None]
@@ -76,13 +99,7 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         if getattr(args, n) <= 0:
             raise ConfigError(f"--{n.replace('_', '-')} must be positive, got {getattr(args, n)}")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if world_size % (tp * pp):
-        raise ConfigError(f"world size {world_size} is not divisible by tensor-parallel x "
-                          f"pipeline-parallel = {tp} x {pp} = {tp * pp}")
-    dp = world_size // (tp * pp)
-    if args.global_batch_size % (args.micro_batch_size * dp):
-        raise ConfigError(f"--global-batch-size {args.global_batch_size} is not divisible by "
-                          f"--micro-batch-size x data-parallel = {args.micro_batch_size} x {dp}")
+    dp = check_layout(world_size, tp, pp, args.micro_batch_size, args.global_batch_size)
     if args.num_layers % pp:
         raise ConfigError(f"--num-layers {args.num_layers} is not divisible by "
                           f"--pipeline-model-parallel-size {pp}")
