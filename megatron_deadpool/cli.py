@@ -28,8 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="deadpool", description="hot-swap fault tolerance for Megatron training")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
-    lp = sub.add_parser("launch", help="start workers grouped into nodes "
-                        "(usage: deadpool launch [options] -- <trainer flags>)")
+    _add_launch(sub.add_parser("launch", help="start workers grouped into nodes "
+                               "(usage: deadpool launch [options] -- <trainer flags>)"))
+    _add_demo_and_soak(sub)
+    _add_bench(sub)
+    return p
+
+
+def _add_launch(lp) -> None:
     lp.add_argument("--nodes", type=int, required=True, help="active nodes")
     lp.add_argument("--procs-per-node", type=int, required=True)
     lp.add_argument("--spare-nodes", type=int, default=0, help="standby nodes (need --deadpool)")
@@ -54,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--results-dir", default=None, metavar="DIR",
                     help="per-rank results and loss log (default: a temp dir)")
 
+
+def _add_demo_and_soak(sub) -> None:
     dp = sub.add_parser("demo", help="CPU hot-swap demo: kill a node, swap in a spare, "
                         "compare with a failure-free replay")
     dp.add_argument("--summary-json", default=None, metavar="FILE")
@@ -71,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--gap", type=int, default=10, help="iterations between faults (+-2)")
     sp.add_argument("--summary-json", default=None, metavar="FILE")
 
+
+def _add_bench(sub) -> None:
     bp = sub.add_parser("bench", help="benchmarks")
     bsub = bp.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     bo = bsub.add_parser("overhead", help="step time with the mirror off vs on, interleaved "
@@ -85,7 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
     br = bsub.add_parser("recovery", help="recovery time of the demo config, per phase")
     br.add_argument("--json", default=None, metavar="FILE")
     br.add_argument("--repeats", type=int, default=1)
-    return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -102,3 +102,37 @@ def canonical_bytes(meta) -> bytes:
         return v
 
     return json.dumps(norm(meta), sort_keys=True, separators=(",", ":")).encode()
+
+
+class MegatronTrainState:
+    """What Megatron-LM keeps outside model and optimizer that a restore must bring back:
+    counters on ``args`` plus the FLOPs total that ``train()`` keeps in a local."""
+
+    EXTRA = ("consumed_valid_samples", "skipped_train_samples", "do_train", "do_valid",
+             "do_test")
+
+    def __init__(self, args):
+        self.args = args
+        self.iteration = args.iteration
+        self.flops = float(getattr(args, "num_floating_point_operations_so_far", 0) or 0)
+
+    @property
+    def consumed_train_samples(self) -> int:
+        return self.args.consumed_train_samples
+
+    @consumed_train_samples.setter
+    def consumed_train_samples(self, v: int) -> None:
+        self.args.consumed_train_samples = v
+
+    def extra_state(self) -> dict:
+        out = {k: getattr(self.args, k) for k in self.EXTRA if hasattr(self.args, k)}
+        out["flops"] = self.flops
+        return out
+
+    def load_extra_state(self, d: dict) -> None:
+        for k in self.EXTRA:
+            if k in d:
+                setattr(self.args, k, d[k])
+        self.flops = d.get("flops", self.flops)
+        self.args.iteration = self.iteration
+        self.args.num_floating_point_operations_so_far = self.flops

@@ -17,7 +17,7 @@ import gc
 import types
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..errors import RebindAuditError
 
@@ -222,3 +222,20 @@ def heap_audit(old_groups: Sequence["weakref.ref"]) -> List[str]:
         leaks.append("group held by " + (", ".join(sorted(set(holders))) or "?"))
         del g
     return leaks
+
+
+def audit_rebind(mode: str, slots: "GroupSlots", old_groups: Sequence["weakref.ref"]
+                 ) -> Optional[dict]:
+    """After a rebuild (``--deadpool-audit``): 'walk' re-walks the slots, 'full' also scans
+    the heap for a survivor of ``old_groups``. Raises RebindAuditError on a leak; returns
+    the audit event's fields for 'full', else None."""
+    if mode == "none":
+        return None
+    slots.audit()
+    if mode != "full":
+        return None
+    leaks = heap_audit(old_groups)
+    if leaks:
+        raise RebindAuditError(f"{len(leaks)} old process group(s) still alive after the "
+                               f"rebuild: {leaks[:5]}")
+    return {"mode": "full", "old_groups": len(old_groups), "leaked": 0}

@@ -24,16 +24,17 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from ..config import DeadpoolConfig
-from ..errors import DeadpoolError, JobStopped, MirrorError, RebindAuditError
+from ..errors import DeadpoolError, JobStopped, MirrorError
 from ..faults import FaultPoints, Phase as FaultPhase
 from ..membership.member import Member
 from ..membership.plan import Plan
-from ..membership.store import EventKind, GenerationMoved, WorkerState
+from ..membership.store import EventKind, WorkerState
 from ..worker_env import WorkerEnv
 from .abort import all_process_groups
 from .classify import is_comm_failure, is_peer_failure
+from .formation import adopt, form_world
 from .phases import EventSink, Phase, PhaseTimer
-from .rebind import heap_audit, weak_groups
+from .rebind import audit_rebind, weak_groups
 from .world import World
 
 log = logging.getLogger(__name__)
@@ -118,40 +119,9 @@ class Runtime:
                                node=self.env.node, iteration=iteration, phase=phase)
         log.info("fault %s delivered at iteration %s (%s)", fault.kind, iteration, phase)
 
-    def _adopt(self, plan: Plan) -> None:
-        rank = plan.rank(self.env.lid)
-        if rank is None:
-            from ..errors import StaleGenerationError
-
-            raise StaleGenerationError(f"process {self.env.lid} is not a member of generation "
-                                       f"{plan.gen} (it was declared failed); exiting")
-        self.plan = plan
-        self.h.set_rank(rank, plan.world_size)
-
     def _form_world(self, plan: Plan, with_groups: bool) -> None:
-        """Adopt ``plan`` and build its world (``with_groups``: and the model-parallel
-        groups). If a peer dies meanwhile, take the next generation's plan and build again."""
-        for _ in range(MAX_ATTEMPTS):
-            self._adopt(plan)
-            try:
-                self.member.arrive(plan.gen, plan.world_size)
-            except GenerationMoved as moved:
-                plan = self._wait_for_plan(moved)
-                continue
-            try:
-                self.world.init_process_group(self.member.store, plan.gen, self.h.rank,
-                                              plan.world_size)
-                if with_groups:
-                    self.world.build_groups()
-                return
-            except Exception as exc:  # noqa: BLE001 - classified right below
-                if not is_peer_failure(exc, aborted=False):
-                    raise
-                log.info("generation %s: the world did not form (%s); waiting for the next",
-                         plan.gen, type(exc).__name__)
-                self.world.destroy()
-                plan = self._wait_for_plan(exc)
-        raise DeadpoolError(f"the world did not form in {MAX_ATTEMPTS} generations")
+        self.plan = form_world(plan, self.env.lid, self.h, self.member, self.world,
+                               self.config.rendezvous_timeout_s, with_groups)
 
     def _wait_for_plan(self, cause: BaseException) -> Plan:
         return self.member.wait_for_plan(self.plan.gen + 1, self.config.rendezvous_timeout_s,
@@ -278,7 +248,7 @@ class Runtime:
         a.timer.start(Phase.RENDEZVOUS)
         a.plan = self._wait_for_plan(a.cause)
         if a.iteration_at_failure is not None:  # test hook: a peer dies while the world forms
-            self._adopt(a.plan)
+            self.plan = adopt(a.plan, self.env.lid, self.h)
             self.faults(a.iteration_at_failure + 1, FaultPhase.RENDEZVOUS)
         self._form_world(a.plan, with_groups=False)
         a.plan = self.plan
@@ -288,21 +258,11 @@ class Runtime:
         a.timer.start(Phase.REBUILD_GROUPS)
         self.world.build_groups()
         self.att.rebind(self.h, self.plan)
-        self._audit(a.old_groups)
+        audit = audit_rebind(self.config.audit, self.att.slots, a.old_groups)
+        if audit:
+            self.sink.emit("audit", generation=self.plan.gen, rank=self.h.rank, **audit)
         self.world.set_collective_timeouts()
         return a
-
-    def _audit(self, old_groups) -> None:
-        if self.config.audit == "none":
-            return
-        self.att.slots.audit()
-        if self.config.audit == "full":
-            leaks = heap_audit(old_groups)
-            if leaks:
-                raise RebindAuditError(f"{len(leaks)} old process group(s) still alive after "
-                                       f"the rebuild: {leaks[:5]}")
-            self.sink.emit("audit", generation=self.plan.gen, rank=self.h.rank, mode="full",
-                           old_groups=len(old_groups), leaked=0)
 
     def _restore_state(self, a: Attempt) -> Attempt:
         a.timer.start(Phase.RESTORE_STATE)

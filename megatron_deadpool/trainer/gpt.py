@@ -23,9 +23,6 @@ def _log(msg: str) -> None:
 
 def build(args, device):
     """Model, DDP, distributed optimizer and scheduler, exactly as megatron-core builds them."""
-    import random
-
-    import numpy as np
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -33,17 +30,10 @@ def build(args, device):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    # Megatron-LM seeds with seed + 100 * pp_rank so stages differ.
-    seed = args.seed + 100 * ps.get_pipeline_model_parallel_rank()
-    random.seed(seed)  # every generator, as Megatron-LM's _set_random_seed does
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    _seed(args.seed + 100 * ps.get_pipeline_model_parallel_rank())
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -76,14 +66,34 @@ def build(args, device):
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
         bf16=args.bf16, params_dtype=dtype, use_distributed_optimizer=True)
     optimizer = get_megatron_optimizer(opt_config, [ddp])
-    scheduler = OptimizerParamScheduler(
+    return [ddp], optimizer, _scheduler(args, optimizer)
+
+
+def _seed(seed: int) -> None:
+    """Every generator, as Megatron-LM's _set_random_seed does (it passes seed + 100 *
+    pp_rank, so pipeline stages differ)."""
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def _scheduler(args, optimizer):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
         optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr,
         min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
         lr_decay_steps=args.train_iters * args.global_batch_size,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
         end_wd=args.weight_decay, wd_incr_steps=args.train_iters * args.global_batch_size,
         wd_incr_style="constant")
-    return [ddp], optimizer, scheduler
 
 
 def _loss_func(loss_mask, output_tensor):
@@ -149,23 +159,10 @@ def main(argv=None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(args, world_size)
 
-    import torch
-
     from .. import api
-
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.backend is None:
-        args.backend = "nccl" if args.device == "cuda" else "gloo"
-    if args.device == "cpu":
-        from ..megatron import cpu_mode
-
-        cpu_mode.enable()
-        torch.set_num_threads(1)  # fixed thread count: bitwise determinism on CPU
-        torch.use_deterministic_algorithms(True)
-
     from ..worker_env import log_to_stdout
 
+    _choose_device(args)
     log_to_stdout()
     deadpool = api.Deadpool.start(args.deadpool_config, device=args.device, backend=args.backend)
     try:
@@ -195,12 +192,7 @@ def main(argv=None) -> int:
             step_s.append(now - t_last)
             if loss is not None and state.iteration % args.log_interval == 0 and (
                     deadpool.rank == deadpool.world_size - 1):
-                lr = optimizer.param_groups[0]["lr"]
-                _log(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {state.iteration:8d}/"
-                     f"{args.train_iters:8d} | consumed samples: {state.consumed_train_samples:12d} |"
-                     f" elapsed time per iteration (ms): {(now - t_last) * 1000:.1f} |"
-                     f" learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d} |"
-                     f" lm loss: {loss:.6E} | grad norm: {float(grad_norm):.3f} |")
+                _log_iteration(args, state, optimizer, now - t_last, loss, grad_norm)
             t_last = now
 
         digest = deadpool.finish(model, optimizer, train_state=state, scheduler=scheduler,
@@ -211,6 +203,31 @@ def main(argv=None) -> int:
         deadpool.shutdown(exc)  # report it and free the communicators: a clean exit
         raise
     return 0
+
+
+def _choose_device(args) -> None:
+    import torch
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.backend is None:
+        args.backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.device == "cpu":
+        from ..megatron import cpu_mode
+
+        cpu_mode.enable()
+        torch.set_num_threads(1)  # fixed thread count: bitwise determinism on CPU
+        torch.use_deterministic_algorithms(True)
+
+
+def _log_iteration(args, state, optimizer, step_s: float, loss: float, grad_norm) -> None:
+    """Megatron-LM's iteration line."""
+    lr = optimizer.param_groups[0]["lr"]
+    _log(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {state.iteration:8d}/"
+         f"{args.train_iters:8d} | consumed samples: {state.consumed_train_samples:12d} |"
+         f" elapsed time per iteration (ms): {step_s * 1000:.1f} |"
+         f" learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d} |"
+         f" lm loss: {loss:.6E} | grad norm: {float(grad_norm):.3f} |")
 
 
 def entry(argv=None) -> int:

@@ -1,0 +1,229 @@
+"""The recovery sequencer (recovery/runtime.py) in-process, with fakes for membership, the
+communicators and the protected state: no subprocess, no torch.distributed. The decisions
+are checked here in milliseconds: a local error fails fast, a communication error without a
+new generation is re-raised after the heartbeat timeout, a cascade moves to the next
+generation, and a lost buddy is terminal."""
+
+import time
+
+import pytest
+
+from megatron_deadpool.config import DeadpoolConfig
+from megatron_deadpool.errors import JobStopped, NoCommittedStateError, stopped
+from megatron_deadpool.membership.plan import Plan
+from megatron_deadpool.membership.store import WorkerState
+from megatron_deadpool.recovery.runtime import Runtime
+from megatron_deadpool.worker_env import WorkerEnv
+
+HB_TIMEOUT = 1.0
+
+
+def plan(gen, lid=0, rank=0):
+    return Plan(gen=gen, world_size=2, rank_of={lid: rank, 1: 1}, node_of_rank=(0, 1))
+
+
+class FakeMember:
+    def __init__(self):
+        self.gen = 0
+        self.plans = {0: plan(0)}
+        self.stop_reason = None
+        self.store = object()
+        self.arrivals = []
+        self.events = []
+        self.fail_arrive_at = set()  # generations whose rendezvous sees a dead peer
+
+    def admit(self, status, on_generation, on_stop):
+        pass
+
+    def initial_plan(self):
+        return self.plans[0]
+
+    def current_gen(self):
+        return self.gen
+
+    def publish(self, p):
+        self.plans[p.gen] = p
+        self.gen = p.gen
+
+    def raise_if_stopped(self):
+        if self.stop_reason:
+            raise stopped(self.stop_reason)
+
+    def wait_for_plan(self, min_gen, timeout_s, exc=None):
+        self.raise_if_stopped()
+        if self.gen >= min_gen:
+            return self.plans[self.gen]
+        raise exc or RuntimeError("no plan")
+
+    def arrive(self, gen, world_size):
+        self.arrivals.append(gen)
+        if gen in self.fail_arrive_at:
+            self.publish(plan(gen + 1))  # the decider replaced the dead peer meanwhile
+            raise ConnectionError(f"peer died while generation {gen} formed")
+
+    def push_event(self, kind, **fields):
+        self.events.append((kind, fields))
+
+    def report_recovery(self, gen, rank, report):
+        pass
+
+    def claim_fault(self, index):
+        return True
+
+    def close(self):
+        pass
+
+
+class FakeWorld:
+    def __init__(self):
+        self.aborted = False
+        self.aborts = []
+        self.formed = []
+        self.mp_kwargs = None
+
+    def init_process_group(self, store, gen, rank, world_size):
+        self.formed.append(gen)
+        self.aborted = False
+
+    def build_groups(self):
+        pass
+
+    def set_collective_timeouts(self):
+        pass
+
+    def abort(self, reason, rank, newer_than=None):
+        self.aborts.append(reason)
+        self.aborted = True
+
+    def destroy(self):
+        pass
+
+    def forget(self):
+        pass
+
+
+class FakeProtected:
+    def __init__(self, restore=lambda rank: 5):
+        self.iteration = 6
+        self.mirror = None
+        self.slots = None
+        self.restores = 0
+        self._restore = restore
+
+    def quiesce(self, timeout_s):
+        pass
+
+    def rebind(self, handle, plan):
+        pass
+
+    def restore(self, rank):
+        self.restores += 1
+        return self._restore(rank)
+
+    def after_step(self, iteration, mirror_on=True):
+        self.iteration = iteration
+
+    def close(self):
+        pass
+
+
+class Handle:
+    rank, world_size = 0, 2
+
+    def set_rank(self, rank, world_size):
+        self.rank, self.world_size = rank, world_size
+
+
+def runtime(protected=None):
+    cfg = DeadpoolConfig(enabled=True, heartbeat_interval_s=0.1, heartbeat_timeout_s=HB_TIMEOUT,
+                         audit="none")
+    member, world = FakeMember(), FakeWorld()
+    rt = Runtime(Handle(), cfg, WorkerEnv(lid=0, node=0, store_port=1), member, world,
+                 protected or FakeProtected())
+    rt.join()
+    rt.state = WorkerState.ACTIVE
+    return rt, member, world
+
+
+def test_local_error_fails_fast_without_recovery():
+    rt, member, world = runtime()
+    err = ValueError("loss is NaN on this rank")
+    t0 = time.monotonic()
+    with pytest.raises(ValueError) as info:
+        rt.recover(err)
+    elapsed = time.monotonic() - t0
+    assert info.value is err  # the original error, with its own traceback
+    assert elapsed < HB_TIMEOUT / 10  # at once, not after waiting for a new generation
+    assert world.aborts == [] and rt.att.restores == 0 and rt.recoveries == []
+    assert rt.state == WorkerState.ACTIVE and world.formed == [0]
+
+
+def test_comm_error_without_new_generation_is_reraised_after_the_heartbeat_timeout():
+    rt, member, world = runtime()
+    err = ConnectionError("Connection reset by peer")
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError):
+        rt.recover(err)
+    assert time.monotonic() - t0 >= HB_TIMEOUT  # it waited for the decider, then gave up
+    assert world.aborts == [] and rt.att.restores == 0
+
+
+def test_aborted_generation_recovers_on_the_next_one():
+    rt, member, world = runtime()
+    member.publish(plan(1))
+    world.aborted = True  # the watcher saw generation 1 and aborted the communicators
+    rt.recover(RuntimeError("anything the blocked collective raised"))
+    assert rt.plan.gen == 1 and world.formed == [0, 1] and rt.att.restores == 1
+    assert rt.state == WorkerState.ACTIVE
+    rt.after_step(6)
+    assert rt.recoveries[0]["restored_iter"] == 5
+    assert rt.recoveries[0]["iteration_at_failure"] == 6
+
+
+def test_cascade_in_rendezvous_moves_to_the_next_generation():
+    rt, member, world = runtime()
+    member.publish(plan(1))
+    member.fail_arrive_at = {1}  # a second peer dies while generation 1 forms
+    world.aborted = True
+    rt.recover(RuntimeError("first failure"))
+    assert member.arrivals == [0, 1, 2] and world.formed == [0, 2] and rt.plan.gen == 2
+    assert rt.att.restores == 1
+
+
+def test_cascade_in_restore_starts_a_new_attempt():
+    calls = []
+
+    def restore(rank):
+        calls.append(rank)
+        if len(calls) == 1:
+            member.publish(plan(2))
+            raise ConnectionError("Connection closed by peer")  # a holder died mid-restore
+        return 5
+
+    rt, member, world = runtime(FakeProtected(restore))
+    member.publish(plan(1))
+    world.aborted = True
+    rt.recover(RuntimeError("first failure"))
+    assert len(calls) == 2 and rt.plan.gen == 2 and world.formed == [0, 1, 2]
+
+
+def test_primary_and_buddy_lost_is_terminal():
+    def restore(rank):
+        raise NoCommittedStateError("the state of rank(s) [1] is held by no living process; "
+                                    "last committed iteration 5")
+
+    rt, member, world = runtime(FakeProtected(restore))
+    member.publish(plan(1))
+    world.aborted = True
+    with pytest.raises(NoCommittedStateError, match="last committed iteration 5"):
+        rt.recover(RuntimeError("node lost"))
+    assert world.formed == [0, 1]  # one attempt: never retried
+
+
+def test_job_stopped_during_recovery_is_terminal():
+    rt, member, world = runtime()
+    member.stop_reason = "no spare left: 2 rank(s) failed; last committed iteration 4"
+    world.aborted = True
+    with pytest.raises(JobStopped) as info:
+        rt.recover(RuntimeError("peer gone"))
+    assert info.value.reason.value == "no spare left"
