@@ -19,6 +19,10 @@ class MirrorError(DeadpoolError):
     """A mirror job (snapshot, transfer, commit) failed: a peer failure for recovery."""
 
 
+class TransportTimeout(MirrorError):
+    """A mirror transport call did not complete within its timeout (a peer is gone)."""
+
+
 class MirrorCorruptError(DeadpoolError):
     """A mirror copy failed its checksum or carries the wrong iteration/owner."""
 

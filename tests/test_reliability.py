@@ -13,13 +13,14 @@ pytestmark = [pytest.mark.slow]
 _REF = {}
 
 
-def _reference(layout, tmp_path_factory):
-    if layout not in _REF:
-        d = tmp_path_factory.mktemp("ref-" + layout)
-        p, s = launch(d, trainer_flags(layout), spares=1, name="ref")
+def _reference(layout, iters, tmp_path_factory):
+    """The failure-free run of ``layout`` with ``iters`` iterations (made once)."""
+    if (layout, iters) not in _REF:
+        d = tmp_path_factory.mktemp(f"ref-{layout}-{iters}")
+        p, s = launch(d, trainer_flags(layout, iters=iters), spares=1, name="ref")
         assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
-        _REF[layout] = s["final_state_sha256"]
-    return _REF[layout]
+        _REF[(layout, iters)] = s["final_state_sha256"]
+    return _REF[(layout, iters)]
 
 
 def _cases():
@@ -31,8 +32,9 @@ def _cases():
 
 @pytest.mark.parametrize("layout, scenario", list(_cases()))
 def test_scenario(layout, scenario, tmp_path, tmp_path_factory):
-    ref = _reference(layout, tmp_path_factory)
-    p, s = launch(tmp_path, trainer_flags(layout, scenario.flags), spares=scenario.spares,
+    ref = _reference(layout, scenario.iters, tmp_path_factory)
+    p, s = launch(tmp_path, trainer_flags(layout, scenario.flags, scenario.iters),
+                  spares=scenario.spares,
                   inject=scenario.inject)
     verdict = judge(scenario, p.returncode, s, ref)
     assert not verdict.startswith("FAILED"), (verdict, p.stdout[-6000:], p.stderr[-3000:])

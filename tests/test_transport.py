@@ -9,6 +9,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_deadpool.mirror.transport import GlooTransport, StoreTransport
+from megatron_deadpool.recovery.classify import is_comm_failure
 
 WORLD = 3
 
@@ -40,6 +41,24 @@ def _conformance(t, rank):
     assert t.all_gather_int(rank + 7) == [7 + r for r in range(WORLD)]
 
 
+def _peer_death(t, rank, store):
+    """The last rank leaves without answering: every other member's call ends within its
+    timeout, with an error that recovery takes for a peer failure (never a hang)."""
+    store.add("conformed", 1)
+    while store.add("conformed", 0) < WORLD:  # everyone passed the conformance part
+        time.sleep(0.01)
+    if rank == WORLD - 1:
+        return  # gone: its process exits without joining the next call
+    t0 = time.monotonic()
+    try:
+        t.all_ok(True, timeout_s=2.0)
+    except Exception as exc:  # noqa: BLE001 - checked right below
+        assert is_comm_failure(exc), f"{type(exc).__name__}: {exc}"
+    else:
+        raise AssertionError("all_ok returned although a member never called it")
+    assert time.monotonic() - t0 < 15
+
+
 def _worker(rank, kind, port, errq):
     try:
         store = torch.distributed.TCPStore("127.0.0.1", port, WORLD, rank == 0,
@@ -51,13 +70,7 @@ def _worker(rank, kind, port, errq):
         else:
             t = StoreTransport(store, rank, WORLD, tag="t", timeout_s=60)
         _conformance(t, rank)
-        if kind == "gloo":
-            torch.distributed.destroy_process_group()
-        # rank 0 hosts the store: it must outlive everyone's last read
-        store.add("finished", 1)
-        if rank == 0:
-            while store.add("finished", 0) < WORLD:
-                time.sleep(0.01)
+        _peer_death(t, rank, store)
         errq.put(None)
     except BaseException:  # noqa: BLE001
         errq.put(traceback.format_exc())

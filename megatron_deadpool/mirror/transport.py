@@ -8,7 +8,7 @@ Every implementation passes the same conformance test (tests/test_transport.py).
     all_gather_json(obj) -> [obj of rank 0, 1, ...]    (restore inventories)
 
 Buffers are uint8 CPU tensors; receive buffers are preallocated by the caller with the
-sender's exact size.
+sender's exact size. Every call takes an optional ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -16,30 +16,37 @@ from __future__ import annotations
 import abc
 import json
 from datetime import timedelta
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from ..errors import TransportTimeout
+
 
 class MirrorTransport(abc.ABC):
+    """Every call is collective over the members and blocks until done; ``timeout_s`` (None:
+    the transport's default) bounds it: a peer that never answers raises TransportTimeout, a
+    peer that died may also surface as its backend's connection error."""
+
     rank: int
     world_size: int
 
     @abc.abstractmethod
     def exchange(self, sends: Sequence[Tuple[int, torch.Tensor]],
-                 recvs: Sequence[Tuple[int, torch.Tensor]]) -> None:
+                 recvs: Sequence[Tuple[int, torch.Tensor]],
+                 timeout_s: Optional[float] = None) -> None:
         """Send each buffer to its destination and fill each receive buffer from its source."""
 
     @abc.abstractmethod
-    def all_ok(self, ok: bool) -> bool:
+    def all_ok(self, ok: bool, timeout_s: Optional[float] = None) -> bool:
         """Collective AND across all members (the commit barrier)."""
 
     @abc.abstractmethod
-    def all_gather_int(self, value: int) -> List[int]:
+    def all_gather_int(self, value: int, timeout_s: Optional[float] = None) -> List[int]:
         """Every member's int, in rank order."""
 
     @abc.abstractmethod
-    def all_gather_json(self, obj) -> List:
+    def all_gather_json(self, obj, timeout_s: Optional[float] = None) -> List:
         """Every member's JSON-serializable object, in rank order."""
 
 
@@ -51,36 +58,52 @@ class GlooTransport(MirrorTransport):
         import torch.distributed as dist
 
         self._dist = dist
+        self.timeout_s = timeout_s
         self.group = group if group is not None else dist.new_group(
             backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
 
-    def exchange(self, sends, recvs) -> None:
-        dist = self._dist
-        works = []
-        for src, buf in recvs:
-            works.append(dist.irecv(buf, src=src, group=self.group))
-        for dst, buf in sends:
-            works.append(dist.isend(buf, dst=dst, group=self.group))
+    def _wait(self, works, timeout_s: Optional[float], what: str) -> None:
+        limit = timedelta(seconds=self.timeout_s if timeout_s is None else timeout_s)
         for w in works:
-            w.wait()
+            try:
+                w.wait(limit)
+            except RuntimeError as exc:
+                if "Timed out" in str(exc) or "timed out" in str(exc):
+                    raise TransportTimeout(f"mirror {what}: no answer in "
+                                           f"{limit.total_seconds():g}s") from exc
+                raise
 
-    def all_ok(self, ok: bool) -> bool:
+    def exchange(self, sends, recvs, timeout_s=None) -> None:
+        dist = self._dist
+        works = [dist.irecv(buf, src=src, group=self.group) for src, buf in recvs]
+        works += [dist.isend(buf, dst=dst, group=self.group) for dst, buf in sends]
+        self._wait(works, timeout_s, "exchange")
+
+    def all_ok(self, ok: bool, timeout_s=None) -> bool:
         t = torch.tensor([1 if ok else 0], dtype=torch.int64)
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self.group)
+        self._wait([self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self.group,
+                                          async_op=True)], timeout_s, "commit")
         return bool(t.item())
 
-    def all_gather_int(self, value: int) -> List[int]:
+    def all_gather_int(self, value: int, timeout_s=None) -> List[int]:
         out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        self._dist.all_gather(out, torch.tensor([int(value)], dtype=torch.int64),
-                              group=self.group)
+        self._wait([self._dist.all_gather(out, torch.tensor([int(value)], dtype=torch.int64),
+                                          group=self.group, async_op=True)],
+                   timeout_s, "all_gather")
         return [int(t.item()) for t in out]
 
-    def all_gather_json(self, obj) -> List:
-        out = [None] * self.world_size
-        self._dist.all_gather_object(out, json.dumps(obj), group=self.group)
-        return [json.loads(x) for x in out]
+    def all_gather_json(self, obj, timeout_s=None) -> List:
+        data = json.dumps(obj).encode()
+        sizes = self.all_gather_int(len(data), timeout_s)
+        n = max(sizes)
+        mine = torch.zeros(n, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._wait([self._dist.all_gather(out, mine, group=self.group, async_op=True)],
+                   timeout_s, "all_gather")
+        return [json.loads(bytes(t[:k].tolist())) for t, k in zip(out, sizes)]
 
 
 class StoreTransport(MirrorTransport):
@@ -97,41 +120,43 @@ class StoreTransport(MirrorTransport):
     def _key(self, *parts) -> str:
         return "/".join([self.tag, str(self._round), *map(str, parts)])
 
-    def _get(self, key: str) -> bytes:
-        self.store.wait([key], timedelta(seconds=self.timeout_s))
+    def _get(self, key: str, timeout_s: Optional[float]) -> bytes:
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            self.store.wait([key], timedelta(seconds=limit))
+        except Exception as exc:  # noqa: BLE001 - the store's timeout error type varies
+            raise TransportTimeout(f"mirror store transport: {key} not written in "
+                                   f"{limit:g}s") from exc
         return self.store.get(key)
 
-    def exchange(self, sends, recvs) -> None:
+    def exchange(self, sends, recvs, timeout_s=None) -> None:
         for dst, buf in sends:
             self.store.set(self._key("p2p", self.rank, dst), buf.numpy().tobytes())
         for src, buf in recvs:
-            data = self._get(self._key("p2p", src, self.rank))
+            data = self._get(self._key("p2p", src, self.rank), timeout_s)
             if len(data) != buf.numel():
                 raise RuntimeError(f"store transport: expected {buf.numel()} bytes from rank "
                                    f"{src}, got {len(data)}")
             buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        self._barrier("x")
+        self._gather("barrier-x", "1", timeout_s)
         self._round += 1
 
-    def _gather(self, name: str, value: str) -> List[str]:
+    def _gather(self, name: str, value: str, timeout_s: Optional[float]) -> List[str]:
         self.store.set(self._key(name, self.rank), value)
-        out = [self._get(self._key(name, r)).decode() for r in range(self.world_size)]
-        return out
+        return [self._get(self._key(name, r), timeout_s).decode()
+                for r in range(self.world_size)]
 
-    def _barrier(self, name: str) -> None:
-        self._gather("barrier-" + name, "1")
-
-    def all_ok(self, ok: bool) -> bool:
-        vals = self._gather("ok", "1" if ok else "0")
+    def all_ok(self, ok: bool, timeout_s=None) -> bool:
+        vals = self._gather("ok", "1" if ok else "0", timeout_s)
         self._round += 1
         return all(v == "1" for v in vals)
 
-    def all_gather_int(self, value: int) -> List[int]:
-        vals = self._gather("gather", str(int(value)))
+    def all_gather_int(self, value: int, timeout_s=None) -> List[int]:
+        vals = self._gather("gather", str(int(value)), timeout_s)
         self._round += 1
         return [int(v) for v in vals]
 
-    def all_gather_json(self, obj) -> List:
-        vals = self._gather("json", json.dumps(obj))
+    def all_gather_json(self, obj, timeout_s=None) -> List:
+        vals = self._gather("json", json.dumps(obj), timeout_s)
         self._round += 1
         return [json.loads(v) for v in vals]
