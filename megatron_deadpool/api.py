@@ -93,7 +93,8 @@ class Deadpool:
                       cfg.collective_timeout_s, EventSink(cfg.events_path).emit)
         return Runtime(self, cfg, env, member, world,
                        Protected(cfg.replicas, cfg.collective_timeout_s,
-                                 snapshot.job_id(secret)))
+                                 snapshot.job_id(secret), cfg.fallback_save_dir,
+                                 cfg.fallback_every))
 
     def set_rank(self, rank: int, world_size: int) -> None:
         """This process's rank in the current generation (a spare takes a dead rank's)."""

@@ -59,6 +59,10 @@ def _add_launch(lp) -> None:
                          "kill:rank=5@iter=7,phase=optimizer, stop:rank=3@iter=9")
     lp.add_argument("--results-dir", default=None, metavar="DIR",
                     help="per-rank results and loss log (default: a temp dir)")
+    lp.add_argument("--join-as-spare", action="store_true",
+                    help="add one spare node to a running job (give its --master-addr, "
+                         "--master-port, --nodes, --procs-per-node, trainer flags, and its "
+                         "DEADPOOL_TOKEN)")
 
 
 def _add_demo_and_soak(sub) -> None:
@@ -110,8 +114,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                 spare_nodes=args.spare_nodes, node_rank=args.node_rank,
                 master_addr=args.master_addr, master_port=args.master_port,
                 summary_json=args.summary_json, script=args.script, inject=args.inject,
-                results_dir=args.results_dir, trainer_argv=rest, device=args.device)
+                results_dir=args.results_dir, trainer_argv=rest, device=args.device,
+                join_as_spare=args.join_as_spare)
             summary = run(opts)
+            if summary["ok"] and args.join_as_spare:
+                print(f"[launch] spare node {summary['node']} left the job: "
+                      f"{summary['reason']}", flush=True)
+                return 0
             if summary["ok"]:
                 print(f"[launch] completed {summary['completed_iters']} iterations; "
                       f"final_state_sha256 {summary['final_state_sha256']}", flush=True)

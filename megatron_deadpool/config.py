@@ -11,6 +11,7 @@ from typing import Optional
 from .errors import ConfigError
 
 AUDIT_MODES = ("none", "walk", "full")
+NO_SPARE_POLICIES = ("fail", "wait")
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,12 @@ class DeadpoolConfig:
     collective_timeout_s: float = 600.0
     events_path: Optional[str] = None
     audit: str = "walk"
+    max_local_restarts: int = 0
+    on_no_spare: str = "fail"
+    spare_wait_timeout_s: float = 600.0
+    fallback_save_dir: Optional[str] = None
+    fallback_every: int = 0
+    resume_dir: Optional[str] = None
 
     def __post_init__(self):
         if self.replicas < 1:
@@ -47,6 +54,19 @@ class DeadpoolConfig:
         if not self.rendezvous_timeout_s <= self.collective_timeout_s:
             raise ConfigError("--deadpool-rendezvous-timeout must not exceed "
                               "--deadpool-collective-timeout")
+        if self.max_local_restarts < 0:
+            raise ConfigError(f"--deadpool-max-local-restarts must be >= 0, got "
+                              f"{self.max_local_restarts}")
+        if self.on_no_spare not in NO_SPARE_POLICIES:
+            raise ConfigError(f"--deadpool-on-no-spare must be one of {NO_SPARE_POLICIES}, "
+                              f"got {self.on_no_spare!r}")
+        if not self.spare_wait_timeout_s > 0:
+            raise ConfigError("--deadpool-spare-wait-timeout must be > 0, got "
+                              f"{self.spare_wait_timeout_s}")
+        if self.fallback_every < 0:
+            raise ConfigError(f"--deadpool-fallback-every must be >= 0, got {self.fallback_every}")
+        if self.fallback_every and not self.fallback_save_dir:
+            raise ConfigError("--deadpool-fallback-every needs --deadpool-fallback-save DIR")
         if self.audit not in AUDIT_MODES:
             raise ConfigError(f"--deadpool-audit must be one of {AUDIT_MODES}, got {self.audit!r}")
 
@@ -62,6 +82,12 @@ class DeadpoolConfig:
             collective_timeout_s=args.deadpool_collective_timeout,
             events_path=args.deadpool_events,
             audit=args.deadpool_audit,
+            max_local_restarts=getattr(args, "deadpool_max_local_restarts", 0),
+            on_no_spare=getattr(args, "deadpool_on_no_spare", "fail"),
+            spare_wait_timeout_s=getattr(args, "deadpool_spare_wait_timeout", 600.0),
+            fallback_save_dir=getattr(args, "deadpool_fallback_save", None),
+            fallback_every=getattr(args, "deadpool_fallback_every", 0),
+            resume_dir=getattr(args, "deadpool_resume", None),
         )
 
     def to_json(self) -> dict:
@@ -72,7 +98,10 @@ class DeadpoolConfig:
         return DeciderConfig(heartbeat_timeout_s=self.heartbeat_timeout_s,
                              progress_timeout_s=self.progress_timeout_s,
                              heartbeat_interval_s=self.heartbeat_interval_s,
-                             starting_spare_wait_s=min(30.0, self.rendezvous_timeout_s / 2))
+                             starting_spare_wait_s=min(30.0, self.rendezvous_timeout_s / 2),
+                             max_local_restarts=self.max_local_restarts,
+                             spare_wait_s=(self.spare_wait_timeout_s
+                                           if self.on_no_spare == "wait" else 0.0))
 
 
 @dataclass(frozen=True)
@@ -87,6 +116,12 @@ class DeciderConfig:
     # A failure with no idle spare waits this long for spares that are still starting
     # (e.g. replacements the launcher just started) before the job stops.
     starting_spare_wait_s: float = 30.0
+    # A rank whose process crashed on a healthy node is restarted in place (up to this many
+    # times per rank) instead of taking a spare node.
+    max_local_restarts: int = 0
+    # --deadpool-on-no-spare wait: a failure with no spare waits this long for a spare to
+    # join (``deadpool launch --join-as-spare``); 0: stop at once.
+    spare_wait_s: float = 0.0
 
 
 def _flag(field_name: str) -> str:
@@ -122,4 +157,27 @@ def add_deadpool_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="after a rebuild, prove no old process group is reachable: 'walk' re-walks "
                         "the attached objects (fast), 'full' also scans the whole heap "
                         "(default %(default)s)")
+    g.add_argument("--deadpool-max-local-restarts", type=int, default=d.max_local_restarts,
+                   metavar="N", help="a process that crashes on a healthy node is restarted in "
+                   "its slot, up to N times per rank, instead of spending a spare node; spares "
+                   "are for dead nodes (default %(default)s)")
+    g.add_argument("--deadpool-on-no-spare", choices=NO_SPARE_POLICIES, default=d.on_no_spare,
+                   help="a failure with no spare left: 'fail' stops the job naming the last "
+                   "committed iteration; 'wait' waits for a spare to join (`deadpool launch "
+                   "--join-as-spare`) (default %(default)s)")
+    g.add_argument("--deadpool-spare-wait-timeout", type=float,
+                   default=d.spare_wait_timeout_s, metavar="SECONDS",
+                   help="with --deadpool-on-no-spare wait: how long (default %(default)s)")
+    g.add_argument("--deadpool-fallback-save", default=None, metavar="DIR",
+                   help="last resort: when a failure cannot be recovered from memory (no "
+                   "spare, or a rank and all its buddies lost), the survivors write the "
+                   "copies they hold to DIR and the job stops; resume with --deadpool-resume")
+    g.add_argument("--deadpool-fallback-every", type=int, default=d.fallback_every,
+                   metavar="N", help="also write each rank's own committed snapshot to "
+                   "--deadpool-fallback-save DIR every N iterations (mirror thread, after "
+                   "the commit), so that a shard whose every in-memory copy died can come "
+                   "from disk; 0: only when the job stops (default %(default)s)")
+    g.add_argument("--deadpool-resume", default=None, metavar="DIR",
+                   help="start from the newest iteration saved in DIR for every rank "
+                   "(by --deadpool-fallback-save); bitwise the run that saved it")
     return parser

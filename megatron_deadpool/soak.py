@@ -44,7 +44,10 @@ def run_soak(failures: int, seed: int, gap: int, summary_json=None, quiet=True) 
     iters = int(specs[-1].split("@iter=")[1].split(",")[0]) + gap if specs else gap
     flags = DEMO_FLAGS + ["--train-iters", str(iters), "--lr-decay-style", "cosine",
                           "--lr-warmup-iters", "3", "--deadpool",
-                          "--deadpool-heartbeat-timeout", "3"]
+                          "--deadpool-heartbeat-timeout", "3",
+                          # a rank's first crash is restarted in its slot; later ones and
+                          # hangs (fenced) take a spare node: both paths are soaked
+                          "--deadpool-max-local-restarts", "1"]
     work = tempfile.mkdtemp(prefix="deadpool-soak-")
     log = open(os.path.join(work, "workers.log"), "a")
     print(f"[soak] {failures} failures, seed {seed}, {iters} iterations; logs in {work}",
@@ -60,24 +63,30 @@ def run_soak(failures: int, seed: int, gap: int, summary_json=None, quiet=True) 
                                   trainer_argv=flags, quiet=quiet), out=log)
     recs = [r for r in faulted.get("recoveries", []) if not r.get("superseded")]
     table = []
+    local_gens = {x["generation"] for x in faulted.get("local_restarts", [])}
     for f, r in zip(faulted.get("faults", []), recs):
         table.append({"kind": f["kind"], "rank": f["rank"], "phase": f["phase"],
                       "iteration": f["at_iter"], "recovery_s": r["total_s"],
-                      "restored_iter": r["restored_iter"]})
+                      "restored_iter": r["restored_iter"],
+                      "local": r["generation"] in local_gens})
     out = {
         "seed": seed, "failures_requested": failures, "schedule": specs,
         "failures_injected": len(faulted.get("faults", [])),
         "recoveries": recs, "table": table,
+        "local_restarts": faulted.get("local_restarts", []),
+        "waited_for_spare_s": faulted.get("waited_for_spare_s", 0.0),
         "final_state_sha256": faulted["final_state_sha256"],
         "reference_state_sha256": reference["final_state_sha256"],
         "bitwise_equal": bool(faulted["ok"] and reference["ok"] and
                               faulted["final_state_sha256"] == reference["final_state_sha256"]),
         "error": faulted["error"], "work_dir": work,
     }
-    print(f"{'#':>3} {'kind':<5} {'rank':>4} {'phase':<17} {'iter':>5} {'recovery s':>10}")
+    print(f"{'#':>3} {'kind':<5} {'rank':>4} {'phase':<17} {'iter':>5} {'recovery s':>10} "
+          "replaced by")
     for i, row in enumerate(table, 1):
         print(f"{i:>3} {row['kind']:<5} {row['rank']:>4} {row['phase']:<17} "
-              f"{row['iteration']:>5} {row['recovery_s']:>10.3f}")
+              f"{row['iteration']:>5} {row['recovery_s']:>10.3f} "
+              f"{'local restart' if row['local'] else 'spare'}")
     print(json.dumps({k: out[k] for k in ("failures_injected", "bitwise_equal")}), flush=True)
     print(f"[soak] recoveries {len(recs)}; bitwise_equal {out['bitwise_equal']}", flush=True)
     if summary_json:

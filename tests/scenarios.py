@@ -27,6 +27,7 @@ class Scenario:
     what: str = ""
     recoveries: Optional[int] = None  # exact count expected, when it is fixed
     iters: int = ITERS        # a longer job, where a wall-clock fault must land inside it
+    local_restarts: Optional[int] = None  # recoveries that restarted a process in its slot
 
 
 SCENARIOS = [
@@ -71,6 +72,9 @@ SCENARIOS = [
     # 40 iterations: the fastest layout (TP1.PP1.DP8) ran 12 in less than the 0.9 s wait.
     Scenario("unstaged_kill", ("kill:node=2@t=0.9",), recoveries=1, ci=True, iters=40,
              what="SIGKILL from outside at a wall-clock instant (seeded), not a fault point"),
+    Scenario("local_restart", ("kill:rank=5@iter=6",), recoveries=1, local_restarts=1,
+             flags=("--deadpool-max-local-restarts", "1"),
+             what="SIGKILL one process on a healthy node: restarted in its slot, no spare spent"),
     Scenario("local_error", ("raise:rank=3@iter=5",), expect=FAILED_FAST, ci=True,
              what="an exception in one rank's step: the job fails fast, no recovery"),
 ]
@@ -105,6 +109,9 @@ def judge(s: Scenario, rc: int, summary: Optional[dict], reference_sha: str) -> 
             return f"FAILED: {len(live)} recoveries, expected {s.recoveries}"
         if any(r["recomputed_iters"] is None or r["recomputed_iters"] > 1 for r in live):
             return "FAILED: more than one iteration redone"
+        local = len(summary.get("local_restarts", []))
+        if s.local_restarts is not None and local != s.local_restarts:
+            return f"FAILED: {local} local restarts, expected {s.local_restarts}"
         return BITWISE
     if rc == 0:
         return "FAILED: the job succeeded but should have stopped"

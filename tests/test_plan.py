@@ -49,3 +49,15 @@ def test_16k_ranks_a_node_fails():
     assert p1.failed_ranks == (4096, 4097, 4098, 4099)
     assert {nodes[lid] for lid in p1.spare_of_rank.values()} == {4096}  # one spare node
     assert len(p1.rank_of) == 16384
+
+
+def test_reserved_local_replacement_takes_its_rank_and_spares_stay_idle():
+    p0, pool, nodes = job()
+    nodes = {**nodes, 10: 2}  # lid 10: rank 5 restarted in place on its node (2)
+    p1 = next_plan(p0, dead={5}, pool=pool, node_of_lid=nodes, t=2.0, reserved={5: 10})
+    assert p1.spare_of_rank == {5: 10} and p1.node_of_rank == p0.node_of_rank
+    assert {8, 9}.isdisjoint(p1.rank_of)  # the spare node was not spent
+    # a rank without a reservation still takes a spare, in the same plan
+    p2 = next_plan(p1, dead={2, 10}, pool=pool, node_of_lid={**nodes, 11: 2}, t=3.0,
+                   reserved={5: 11})
+    assert p2.spare_of_rank == {2: 8, 5: 11}

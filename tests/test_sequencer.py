@@ -31,6 +31,7 @@ class FakeMember:
         self.arrivals = []
         self.events = []
         self.fail_arrive_at = set()  # generations whose rendezvous sees a dead peer
+        self.failing = set()  # generations with a member declared dead (plan not out yet)
 
     def admit(self, status, on_generation, on_stop):
         pass
@@ -40,6 +41,9 @@ class FakeMember:
 
     def current_gen(self):
         return self.gen
+
+    def membership_moved(self, gen):
+        return self.gen > gen or gen in self.failing
 
     def publish(self, p):
         self.plans[p.gen] = p
@@ -166,6 +170,17 @@ def test_comm_error_without_new_generation_is_reraised_after_the_heartbeat_timeo
         rt.recover(err)
     assert time.monotonic() - t0 >= HB_TIMEOUT  # it waited for the decider, then gave up
     assert world.aborts == [] and rt.att.restores == 0
+
+
+def test_declared_failure_recovers_even_if_the_plan_comes_later():
+    """The decider declared a member dead and waits for a replacement that is still
+    starting: the survivor does not give up after the heartbeat timeout."""
+    rt, member, world = runtime()
+    member.failing.add(0)
+    wait_for_plan = member.wait_for_plan
+    member.wait_for_plan = lambda *a: (member.publish(plan(1)), wait_for_plan(*a))[1]
+    rt.recover(ConnectionError("Connection reset by peer"))
+    assert rt.plan.gen == 1 and rt.att.restores == 1
 
 
 def test_aborted_generation_recovers_on_the_next_one():

@@ -13,8 +13,9 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "megatron_deadpool"
 LAYERS = [
     ("foundations", ["errors", "faults", "config", "worker_env"]),
     ("mechanisms", ["membership.auth", "membership.assign", "membership.plan",
+                    "membership.procs", "membership.local_restart",
                     "membership.store", "mirror.placement", "mirror.snapshot",
-                    "mirror.transport", "mirror.mirror", "megatron.support", "megatron.shard",
+                    "mirror.transport", "mirror.mirror", "mirror.persist", "megatron.support", "megatron.shard",
                     "megatron.train_state", "megatron.cpu_mode", "megatron.lm_rules",
                     "recovery.phases", "recovery.classify", "recovery.abort", "recovery.quiet",
                     "recovery.rebind", "recovery.restore", "recovery.world"]),

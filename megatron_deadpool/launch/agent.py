@@ -108,6 +108,11 @@ class NodeAgent:
                 sig = getattr(signal, cmd["signal"])
                 for lid in cmd["lids"]:
                     self.signal(lid, sig)
+            elif cmd["op"] == CommandOp.SPAWN:  # a crashed process restarted in its slot
+                old = next((w for w in self.workers if w.lid == cmd["replaces"]), None)
+                self.prefix_map.setdefault(cmd["lid"], f"n{self.node} restart{cmd['lid']}")
+                self.spawn(WorkerSpec(lid=cmd["lid"], node=self.node, role="spare", rank=None,
+                                      local_rank=old.local_rank if old else 0))
 
     def signal(self, lid: int, sig: int) -> None:
         p = self.procs.get(lid)

@@ -45,13 +45,13 @@ class Job:
     decider: Optional[Decider] = None
     driver: Optional[FaultDriver] = None
     failed: Optional[str] = None
-    next_lid: int = 0
     seen_plans: int = 1
     env: WorkerEnv = field(default_factory=WorkerEnv)
+    joined: bool = False  # a spare node that joined a running job (--join-as-spare)
 
     @property
     def hosts_store(self) -> bool:
-        return self.opts.node_rank is None or self.opts.node_rank == 0
+        return not self.joined and (self.opts.node_rank is None or self.opts.node_rank == 0)
 
 
 def run(opts: LaunchOptions, out=sys.stdout) -> dict:
@@ -61,6 +61,8 @@ def run(opts: LaunchOptions, out=sys.stdout) -> dict:
                                                                flush=True))
     if opts.spare_nodes and not cfg.enabled:
         say("warning: --spare-nodes ignored: spares are only started with --deadpool")
+    if opts.join_as_spare:
+        return _join_as_spare(opts, cfg, say, out)
     job = _setup(opts, cfg, faults, say, out)
     t0 = time.time()
     say(f"{opts.nodes} node(s) x {opts.procs_per_node} + {opts.spare_nodes if cfg.enabled else 0}"
@@ -77,6 +79,12 @@ def run(opts: LaunchOptions, out=sys.stdout) -> dict:
     summary = build_summary(opts, cfg, job.env.results_dir, job.decider, job.store, codes,
                             job.failed, time.time() - t0,
                             fault_records=job.driver.records if job.driver else ())
+    saved = summary.get("fallback_save")
+    if job.failed and saved:
+        say(f"fallback save: iteration {saved['iteration']} of every rank in {saved['dir']} "
+            f"({saved['bytes']} bytes); resume with --deadpool-resume {saved['dir']}"
+            if saved["iteration"] is not None else
+            f"fallback save: {saved['dir']} holds no iteration for every rank")
     if opts.summary_json and job.hosts_store:
         with open(opts.summary_json, "w") as f:
             json.dump(summary, f, indent=2)
@@ -85,14 +93,15 @@ def run(opts: LaunchOptions, out=sys.stdout) -> dict:
 
 def _setup(opts: LaunchOptions, cfg, faults, say, out) -> Job:
     local = opts.node_rank is None
+    fixed_port = opts.master_port is not None  # then the store is at master_port + 1
     if opts.master_port is None:
         opts.master_port = free_port() if local else 29500
-    store_port = opts.master_port + 1 if not local else free_port()
+    store_port = opts.master_port + 1 if (fixed_port or not local) else free_port()
     results_dir = opts.results_dir or tempfile.mkdtemp(prefix="deadpool-run-")
     os.makedirs(results_dir, exist_ok=True)
     token = os.environ.get("DEADPOOL_TOKEN") or secrets.token_hex(16)
     specs = worker_specs(opts, with_spares=cfg.enabled)
-    job = Job(opts=opts, cfg=cfg, say=say, agents=[], next_lid=len(specs),
+    job = Job(opts=opts, cfg=cfg, say=say, agents=[],
               prefix={s.lid: (f"n{s.node} r{s.rank}" if s.rank is not None
                               else f"n{s.node} spare{s.lid}") for s in specs},
               env=WorkerEnv(store_host=opts.master_addr, store_port=store_port,
@@ -114,12 +123,47 @@ def _setup(opts: LaunchOptions, cfg, faults, say, out) -> Job:
                                      cpu=opts.device == "cpu", log=say))
     if cfg.enabled and job.hosts_store:
         _start_decider(job, specs, token, faults)
+        job.coord.publish_job_env(job.env.to_env())  # for spare nodes that join later
     nodes = sorted({s.node for s in specs}) if local else [opts.node_rank]
     argv = worker_command(opts)
     job.agents = [NodeAgent(node, [s for s in specs if s.node == node], argv, base_env,
                             job.env, job.coord, job.prefix, out=out, use_store=cfg.enabled)
                   for node in nodes]
     return job
+
+
+def _join_as_spare(opts: LaunchOptions, cfg, say, out) -> dict:
+    """``--join-as-spare``: one more spare node for a running job. Its processes stand by
+    like the job's own spares until promoted or released at the end."""
+    token = os.environ.get("DEADPOOL_TOKEN")
+    if not token:
+        from ..errors import ConfigError
+
+        raise ConfigError("--join-as-spare needs the job's DEADPOOL_TOKEN in the environment")
+    store = st.connect(opts.master_addr, opts.master_port + 1, cfg.rendezvous_timeout_s)
+    coord = st.Coordinator(store, token)
+    coord.check_secret(cfg.rendezvous_timeout_s)
+    node, lids = coord.request_spare_node(opts.procs_per_node, cfg.rendezvous_timeout_s)
+    env = WorkerEnv.from_env(coord.job_env(cfg.rendezvous_timeout_s))
+    specs = [WorkerSpec(lid=lid, node=node, role=Role.SPARE, rank=None, local_rank=i)
+             for i, lid in enumerate(lids)]
+    prefix = {lid: f"n{node} spare{lid}" for lid in lids}
+    base_env = {k: v for k, v in os.environ.items() if k not in WorkerEnv.variables()}
+    base_env["PYTHONUNBUFFERED"] = "1"
+    agent = NodeAgent(node, specs, worker_command(opts), base_env, env, coord, prefix, out=out)
+    job = Job(opts=opts, cfg=cfg, say=say, agents=[agent], prefix=prefix, store=store,
+              coord=coord, env=env, joined=True)
+    say(f"joined as spare node {node} with processes {lids}")
+    agent.start()
+    try:
+        _supervise(job)
+    finally:
+        agent.terminate_all()
+        agent.join_output()
+    codes = agent.exit_codes
+    return {"ok": all(c == 0 for c in codes.values()), "node": node, "exit_codes": codes,
+            "reason": coord.shutdown_reason(), "error": None if all(
+                c == 0 for c in codes.values()) else f"spare process exit codes {codes}"}
 
 
 def _start_decider(job: Job, specs: List[WorkerSpec], token: str, faults) -> None:
@@ -138,13 +182,13 @@ def _supervise(job: Job) -> None:
         d = job.decider
         if job.opts.respawn_spares and d is not None and not d.finished:
             _respawn(job, exited)
-        if d is None:
+        if not job.cfg.enabled:  # no DeadPool: a failed worker ends the job
             bad = [(lid, code) for _, lid, code in exited if code != 0]
             if bad and job.failed is None:
                 job.failed = f"worker(s) {bad} failed (lid, exit code); stopping the job"
                 job.say(job.failed)
                 return
-        else:
+        elif d is not None:  # node 0: decide; other nodes only run their workers
             d.step()
             job.driver.poll(time.time())
             _name_promoted(job)
@@ -167,8 +211,7 @@ def _respawn(job: Job, exited) -> None:
         dead = job.decider.procs.get(lid)
         if dead is None or dead.state == "done" or code == 0:
             continue
-        new = job.next_lid
-        job.next_lid += 1
+        new = job.decider.new_lid()
         spec = WorkerSpec(lid=new, node=dead.node, role=Role.SPARE, rank=None,
                           local_rank=next((w.local_rank for w in a.workers if w.lid == lid), 0))
         job.decider.procs[new] = Proc(lid=new, node=dead.node, role=Role.SPARE)
@@ -189,7 +232,9 @@ def _name_promoted(job: Job) -> None:
 def _wind_down(job: Job) -> None:
     if job.failed and job.decider is not None:
         job.decider.stop(job.failed)
-        deadline = time.time() + 10
+        # Workers leave on their own; with a fallback save they first write their copies.
+        deadline = time.time() + (max(10.0, job.cfg.rendezvous_timeout_s)
+                                  if job.cfg.fallback_save_dir else 10.0)
         while any(a.alive() for a in job.agents) and time.time() < deadline:
             time.sleep(0.05)
     for a in job.agents:

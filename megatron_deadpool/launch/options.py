@@ -41,6 +41,9 @@ class LaunchOptions:
     # Benchmark only (`deadpool bench overhead`): mirror in alternating blocks of this many
     # iterations (0: every iteration).
     bench_block: int = 0
+    # Add a spare node to a running job (its coordinator at --master-addr/--master-port+1,
+    # DEADPOOL_TOKEN as the job's): needs the job's --nodes, --procs-per-node and flags.
+    join_as_spare: bool = False
 
     def __post_init__(self):
         if self.nodes < 1 or self.procs_per_node < 1:
@@ -50,6 +53,9 @@ class LaunchOptions:
         total = self.nodes + self.spare_nodes
         if self.node_rank is not None and not 0 <= self.node_rank < total:
             raise ConfigError(f"--node-rank {self.node_rank} is outside 0..{total - 1}")
+        if self.join_as_spare and (self.master_port is None or self.node_rank is not None):
+            raise ConfigError("--join-as-spare needs the running job's --master-addr and "
+                              "--master-port (and no --node-rank)")
         if self.device not in (None, "cpu", "cuda"):
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
 

@@ -9,6 +9,7 @@ from typing import Dict, List
 
 from ..membership import store as st
 from ..membership.plan import Plan
+from ..mirror import persist
 from ..recovery.phases import PHASE_ORDER
 from .options import LaunchOptions
 
@@ -77,7 +78,36 @@ def build_summary(opts, cfg, results_dir, decider, store, codes, failed, wall_s,
                              for f in fault_records]
         summary["recoveries"] = [_recovery(plan, store, opts.world_size)
                                  for plan in decider.plans[1:]]
+        summary["local_restarts"] = _local_restarts(decider, summary["recoveries"])
+        summary["waited_for_spare_s"] = round(decider.waited_for_spare_s, 3)
+        if cfg.enabled and cfg.fallback_save_dir:
+            summary["fallback_save"] = fallback_save(cfg.fallback_save_dir, opts.world_size)
+        summary["standby_spares_at_end"] = sum(
+            1 for p in decider.procs.values() if p.role == "spare" and p.rank is None
+            and p.state != "dead" and p.lid not in {x["lid"] for x in decider.local.records})
     return summary
+
+
+def fallback_save(root: str, world: int) -> dict:
+    """``{dir, iteration, bytes}``: the newest iteration saved for every rank (None: none)."""
+    saved = persist.scan(root)
+    done = saved.complete(world)
+    if not done:
+        return {"dir": root, "iteration": None, "bytes": 0}
+    return {"dir": root, "iteration": done[0][0], "bytes": saved.nbytes[done[0]]}
+
+
+def _local_restarts(decider, recoveries: List[dict]) -> List[dict]:
+    """``[{rank, node, exit_code, restored_iter, total_s}]``: the recoveries that restarted
+    a crashed process in its slot instead of spending a spare."""
+    by_gen = {r["generation"]: r for r in recoveries}
+    out = []
+    for rec in decider.local.records:
+        r = by_gen.get(rec["generation"], {})
+        out.append({"rank": rec["rank"], "node": rec["node"], "exit_code": rec["exit_code"],
+                    "restored_iter": r.get("restored_iter"), "total_s": r.get("total_s"),
+                    "generation": rec["generation"]})
+    return out
 
 
 def _recovery(plan: Plan, store, world_size: int) -> dict:

@@ -43,6 +43,9 @@ def unsupported_args(args) -> List[str]:
         (g("dataloader_type") == "external", "--dataloader-type external (DeadPool rebuilds "
          "iterators from consumed samples)"),
         (g("yaml_cfg") is not None, "--yaml-cfg"),
+        (g("deadpool_resume") is not None, "--deadpool-resume (a resume from a fallback "
+         "save is implemented and tested with the reference trainer only; use Megatron-LM's "
+         "--load here)"),
         (g("fake_process_group"), "--fake-process-group"),
         (g("multiple_validation_sets"), "--multiple-validation-sets"),
         (g("tp_comm_overlap"), "--tp-comm-overlap (userbuffers communicators cannot be "

@@ -11,7 +11,6 @@ Time comes from an injectable ``clock``, so tests advance it instead of sleeping
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set
@@ -20,33 +19,9 @@ from ..config import DeciderConfig
 from ..errors import NoSpareError, StopReason
 from . import plan as plans
 from . import store as st
+from .local_restart import LocalRestarts
+from .procs import Proc, ProcState, Role  # noqa: F401 - Proc, Role: part of this API
 from .store import CommandOp, EventKind, WorkerState
-
-
-class ProcState(str, enum.Enum):
-    STARTING = "starting"  # started, not admitted yet
-    ALIVE = "alive"
-    DEAD = "dead"
-    DONE = "done"
-
-
-class Role(str, enum.Enum):
-    ACTIVE = "active"
-    SPARE = "spare"
-
-
-@dataclass
-class Proc:
-    lid: int
-    node: int
-    role: str  # Role
-    rank: Optional[int] = None
-    state: str = ProcState.STARTING
-    hb_seq: int = -1
-    hb_change: float = 0.0
-    hb_iteration: int = 0
-    hb_committed: int = -1
-    progress_change: float = 0.0
 
 
 @dataclass
@@ -77,6 +52,9 @@ class Decider:
         self.coord = st.Coordinator(self.store, self.token)
         self.rejected: List[dict] = []  # forged or replayed messages, never acted on
         self._waiting_logged = False
+        self.next_lid = max(self.procs, default=-1) + 1
+        self.local = LocalRestarts(self.config.max_local_restarts)
+        self.waited_for_spare_s = 0.0
 
     # ------------------------------------------------------------------ setup
     @property
@@ -125,7 +103,8 @@ class Decider:
         handler = {EventKind.FORGED: self._on_forged, EventKind.JOIN: self._on_join,
                    EventKind.EXIT: self._on_exit, EventKind.DONE: self._on_done,
                    EventKind.FAULT_REQUEST: self._on_fault_request,
-                   EventKind.FATAL: self._on_fatal}.get(ev["kind"])
+                   EventKind.FATAL: self._on_fatal,
+                   EventKind.SPARE_NODE: self._on_spare_agent}.get(ev["kind"])
         if handler is not None:
             handler(ev)
 
@@ -152,6 +131,7 @@ class Decider:
     def _on_exit(self, ev: dict) -> None:
         p = self.procs.get(ev["lid"])
         if p is not None and p.state not in (ProcState.DEAD, ProcState.DONE):
+            p.exit_code = ev["code"]
             self._declare_dead(p, f"exited with code {ev['code']}", ev["t"])
 
     def _on_done(self, ev: dict) -> None:
@@ -223,20 +203,55 @@ class Decider:
             return  # an idle spare: just leaves the pool
         self.pending_dead.add(p.lid)
         if self.first_dead_t is None:
+            self.coord.declare_failing(self.gen)  # members wait for the plan, however long
             self.first_dead_t = self.clock()
             self._failure_t = min(t, self._fault_time or t)
 
     # ------------------------------------------------------------------ planning
+    def new_lid(self) -> int:
+        lid, self.next_lid = self.next_lid, self.next_lid + 1
+        return lid
+
+    def _restart_in_place(self) -> bool:
+        """Request in-place replacements for the dead ranks that qualify; True while one
+        is still starting (the plan waits for it, bounded by the starting-spare wait)."""
+        for lid in sorted(self.pending_dead):
+            p = self.procs[lid]
+            peers = [q for q in self.procs.values() if q.node == p.node and q.lid != lid
+                     and q.state in (ProcState.ALIVE, ProcState.DONE)]
+            if not self.local.eligible(p.rank, self._agent_alive(p.node), len(peers)):
+                continue
+            new = self.new_lid()
+            self.procs[new] = Proc(lid=new, node=p.node, role=Role.SPARE)
+            self.local.reserve(p.rank, p.node, new, lid, p.exit_code)
+            self.send_command(p.node, {"op": CommandOp.SPAWN, "lid": new, "replaces": lid})
+            self.log(f"rank {p.rank} (process {lid}) crashed on healthy node {p.node}: "
+                     f"restarting it in place as process {new}")
+        starting = [lid for lid in self.local.reserved.values()
+                    if self.procs[lid].state == ProcState.STARTING]
+        return bool(starting) and self.clock() - self.first_dead_t < \
+            self.config.starting_spare_wait_s
+
+    def _agent_alive(self, node: int) -> bool:
+        last = self._agent_hb.get(node)
+        return last is not None and self.clock() - last[1] <= self.config.heartbeat_timeout_s
+
     def _replan(self) -> None:
+        if self._restart_in_place():
+            return
         pool = [(p.lid, p.node) for p in sorted(self.procs.values(), key=lambda q: q.lid)
                 if p.role == Role.SPARE and p.rank is None and p.state == ProcState.ALIVE]
+        reserved = self.local.ready(lid for lid, _ in pool)
         try:
             plan = plans.next_plan(self.plans[-1], self.pending_dead, pool,
                                    self._node_of_lid(), t=self.clock(),
-                                   t_failure=self._failure_t)
+                                   t_failure=self._failure_t, reserved=reserved)
         except NoSpareError as exc:
             self._no_spare(exc)
             return
+        self.local.published(plan.gen, plan.spare_of_rank)
+        if self._waiting_logged:
+            self.waited_for_spare_s += self.clock() - self.first_dead_t
         for lid in self.pending_dead:
             self.procs[lid].rank = None
         for rank, lid in plan.spare_of_rank.items():
@@ -251,20 +266,33 @@ class Decider:
         self._fault_time = None
 
     def _no_spare(self, exc: NoSpareError) -> None:
-        """Wait (bounded) for spares that are still starting, else stop the job naming the
+        """Wait (bounded) for spares that are still starting or, with
+        --deadpool-on-no-spare wait, for a spare node to join; else stop the job naming the
         last committed iteration."""
         starting = [p for p in self.procs.values() if p.role == Role.SPARE and p.rank is None
                     and p.state == ProcState.STARTING]
-        if starting and self.clock() - self.first_dead_t < self.config.starting_spare_wait_s:
+        limit = max(self.config.spare_wait_s,
+                    self.config.starting_spare_wait_s if starting else 0.0)
+        if self.clock() - self.first_dead_t < limit:
             if not self._waiting_logged:
                 self._waiting_logged = True
-                self.log(f"no idle spare: waiting up to "
-                         f"{self.config.starting_spare_wait_s:.0f}s for "
-                         f"{len(starting)} starting spare process(es)")
+                self.log(f"no spare left for the failed rank(s): waiting up to {limit:.0f}s "
+                         f"for {'a starting' if starting else 'a joining'} spare "
+                         "(deadpool launch --join-as-spare adds a spare node)")
             return  # stays pending; planned again on the next step
         committed = max((p.hb_committed for p in self.procs.values()
                          if p.rank is not None and p.state == ProcState.ALIVE), default=-1)
         self.stop(f"{StopReason.NO_SPARE.value}: {exc}; last committed iteration {committed}")
+
+    def _on_spare_agent(self, ev: dict) -> None:
+        """A node agent started with ``--join-as-spare``: give it a node id and process ids
+        for its standby processes."""
+        node = max(p.node for p in self.procs.values()) + 1
+        lids = [self.new_lid() for _ in range(int(ev["procs"]))]
+        for lid in lids:
+            self.procs[lid] = Proc(lid=lid, node=node, role=Role.SPARE)
+        self.coord.answer_spare_node(ev["nonce"], node, lids)
+        self.log(f"spare node {node} joined with processes {lids}")
 
     def stop(self, reason: str, failed: bool = True) -> None:
         """Stop the job (once): every member's watcher sees the reason and leaves."""

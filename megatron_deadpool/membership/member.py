@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import traceback
 from typing import Callable, Optional
 
 from ..errors import DeadpoolError, stopped
@@ -85,6 +86,21 @@ class Member:
     def current_gen(self) -> int:
         return self.coord.current_gen()
 
+    def membership_moved(self, gen: int) -> bool:
+        """A newer generation exists, or the decider declared a member of ``gen`` dead (its
+        plan follows once replacements are ready)."""
+        return self.coord.current_gen() > gen or self.coord.is_failing(gen)
+
+    def report_fatal(self, rank: int, exc: BaseException) -> None:
+        """Tell the decider this rank stops on an error recovery must not handle: the job
+        stops with it instead of spending a spare (best effort: the coordinator may be gone)."""
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        try:
+            self.push_event(EventKind.FATAL, rank=rank, error=f"{type(exc).__name__}: {exc}"[:500],
+                            traceback=text[-4000:])
+        except Exception:  # noqa: BLE001 - the coordinator is gone: nothing to tell
+            pass
+
     def raise_if_stopped(self) -> None:
         if self.stop_reason is not None:
             raise stopped(self.stop_reason)
@@ -104,6 +120,11 @@ class Member:
                 if plan.rank(self.lid) is not None or timeout_s is not None:
                     return plan
                 min_gen = g + 1
+            if deadline is not None and time.monotonic() > deadline and \
+                    self.coord.is_failing(min_gen - 1):
+                # The decider declared the failure and is waiting for a replacement (a
+                # starting or joining spare): it publishes the plan or stops the job.
+                deadline = time.monotonic() + timeout_s
             if deadline is not None and time.monotonic() > deadline:
                 if exc is not None:
                     raise exc

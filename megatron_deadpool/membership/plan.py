@@ -67,14 +67,19 @@ def initial_plan(rank_of: Mapping[int, int], node_of_lid: Mapping[int, Hashable]
 
 def next_plan(prev: Plan, dead: Iterable[int], pool: Sequence[Tuple[int, Hashable]],
               node_of_lid: Mapping[int, Hashable], t: float,
-              t_failure: Optional[float] = None) -> Plan:
-    """The plan after the processes ``dead`` failed: each dead rank goes to a spare of
-    ``pool`` (idle ``(lid, node)`` in order; policy in ``assign.py``). Raises NoSpareError
-    (nothing assigned) when the pool is too small. Dead processes that held no rank (idle
-    spares) only leave the pool."""
-    dead = set(dead)
+              t_failure: Optional[float] = None,
+              reserved: Optional[Mapping[int, int]] = None) -> Plan:
+    """The plan after the processes ``dead`` failed: a dead rank with a ``reserved``
+    replacement (rank -> lid: a process restarted in place on its healthy node) takes it;
+    every other dead rank goes to a spare of ``pool`` (idle ``(lid, node)`` in order; policy
+    in ``assign.py``). Raises NoSpareError (nothing assigned) when the pool is too small.
+    Dead processes that held no rank (idle spares) only leave the pool."""
+    dead, reserved = set(dead), dict(reserved or {})
     failed = sorted(prev.rank_of[lid] for lid in dead if lid in prev.rank_of)
-    mapping = assign.assign_spares(failed, prev.node_of_rank, pool)
+    taken = set(reserved.values())
+    mapping = assign.assign_spares([r for r in failed if r not in reserved],
+                                   prev.node_of_rank, [s for s in pool if s[0] not in taken])
+    mapping.update({r: lid for r, lid in reserved.items() if r in failed})
     rank_of = {lid: r for lid, r in prev.rank_of.items() if lid not in dead}
     rank_of.update({lid: r for r, lid in mapping.items()})
     return Plan(gen=prev.gen + 1, world_size=prev.world_size, rank_of=rank_of,

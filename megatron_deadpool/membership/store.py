@@ -7,8 +7,12 @@ below marked (signed) is sealed with the job secret for its slot (``auth.py``). 
     dp/events/n, dp/events/{i}     append-only event queue read by the decider (signed, i)
                                    kinds: EventKind below
     dp/admit/{lid}/{nonce}         the decider's answer to one join request (signed)
+    dp/spare_node/{nonce}          the decider's answer to a joining spare node (signed)
+    dp/job_env                     what every worker is told (WorkerEnv, signed)
     dp/latest                      the current generation (signed, only grows)
     dp/plan/{g}                    JSON plan of generation g (signed, gen)
+    dp/failing/{g}                 a member of generation g was declared dead; its
+                                   replacement plan may take a while (signed, gen)
     dp/arrived/{g}, .../all        abortable rendezvous before generation g's world forms
     dp/hb/{lid}, dp/agent_hb/{n}   worker and node-agent heartbeats (signed)
     dp/cmd/{node}/n, .../{i}       commands for a node agent (signed, node and i; CommandOp)
@@ -41,11 +45,13 @@ class EventKind(str, enum.Enum):
     DONE = "done"                    # a rank finished training
     FATAL = "fatal"                  # a rank stops on a local error (error, traceback)
     FAULT_REQUEST = "fault_request"  # a scheduled test fault fired (index, iteration)
+    SPARE_NODE = "spare_node"        # an agent offers a spare node (procs, nonce)
     FORGED = "forged"                # not a sender's kind: a message that did not verify
 
 
 class CommandOp(str, enum.Enum):
     SIGNAL = "signal"                # deliver ``signal`` to the processes ``lids``
+    SPAWN = "spawn"                  # start standby process ``lid`` in the slot of ``replaces``
 
 
 class WorkerState(str, enum.Enum):
@@ -132,6 +138,18 @@ class Coordinator:
                 pass
         return self._gen
 
+    def declare_failing(self, gen: int) -> None:
+        self.raw.set(k("failing", gen), auth.seal(self.secret, {"gen": gen}))
+
+    def is_failing(self, gen: int) -> bool:
+        key = k("failing", gen)
+        if not self.raw.check([key]):
+            return False
+        try:
+            return auth.open_(self.secret, self.raw.get(key), gen=gen)["gen"] == gen
+        except (auth.AuthError, KeyError):
+            return False
+
     def get_plan(self, gen: int) -> Plan:
         return Plan.from_json(auth.open_(self.secret, self.raw.get(k("plan", gen)), gen=gen))
 
@@ -162,6 +180,26 @@ class Coordinator:
         except auth.AuthError:
             raise TokenError("the coordinator's plan is not signed with this node's job "
                              "secret (wrong DEADPOOL_TOKEN)") from None
+
+    def request_spare_node(self, procs: int, timeout_s: float) -> Tuple[int, List[int]]:
+        """A node agent started with --join-as-spare: (its node id, its process ids)."""
+        nonce = secrets.token_hex(8)
+        self.push_event(EventKind.SPARE_NODE, procs=procs, nonce=nonce)
+        key = k("spare_node", nonce)
+        self.raw.wait([key], timedelta(seconds=timeout_s))
+        body = auth.open_(self.secret, self.raw.get(key), nonce=nonce)
+        return int(body["node"]), [int(x) for x in body["lids"]]
+
+    def answer_spare_node(self, nonce: str, node: int, lids: List[int]) -> None:
+        self.raw.set(k("spare_node", nonce), auth.seal(
+            self.secret, {"nonce": nonce, "node": node, "lids": lids}))
+
+    def publish_job_env(self, env: Dict[str, str]) -> None:
+        self.raw.set(k("job_env"), auth.seal(self.secret, {"env": env}))
+
+    def job_env(self, timeout_s: float) -> Dict[str, str]:
+        self.raw.wait([k("job_env")], timedelta(seconds=timeout_s))
+        return auth.open_(self.secret, self.raw.get(k("job_env")))["env"]
 
     def answer_admission(self, lid: int, nonce: str, ok: bool, why: str = "") -> None:
         self.raw.set(k("admit", lid, nonce), auth.seal(

@@ -196,8 +196,11 @@ class Mirror:
         self.own_iter[idx] = iteration
         self._maybe_fault(iteration)
         self._exchange_and_commit(iteration)
+        if self.on_committed is not None and self.committed == iteration:
+            self.on_committed(iteration)  # e.g. a periodic fallback save (persist.py)
 
     fault_hook: Optional[Callable[[int], None]] = None
+    on_committed: Optional[Callable[[int], None]] = None
     job: int = 0  # snapshot.job_id(secret): copies of another job are refused
 
     def _maybe_fault(self, iteration: int) -> None:

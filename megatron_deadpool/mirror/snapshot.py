@@ -118,6 +118,12 @@ def seal(slot: torch.Tensor, layout: Layout, owner: int, iteration: int, meta: d
                          layout.tensor_end, job], dtype=torch.int64)
 
 
+def restamp_job(slot: torch.Tensor, job: int) -> None:
+    """Adopt a verified slot into this job (a resume from files of an earlier job). The job
+    id is not under the checksum."""
+    _header(slot)[8] = job
+
+
 def read_header(slot: torch.Tensor) -> dict:
     h = _header(slot).tolist()
     return {"magic": h[0], "owner": h[1], "iteration": h[2], "tensor_bytes": h[3],

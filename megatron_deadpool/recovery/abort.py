@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import traceback
 from typing import Iterable, List, Optional, Set
 
 TCP_LISTEN = "0A"
@@ -142,3 +143,15 @@ def destroy_world() -> None:
         pass
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def drop_traceback(exc: BaseException) -> None:
+    """The failed step's frames hold the old groups (schedules, p2p communicators): clear
+    them so the old generation can be freed."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+            exc.__traceback__ = None
+        exc = exc.__context__ or exc.__cause__

@@ -15,6 +15,7 @@ from ..faults import Phase as FaultPhase
 from ..megatron import shard
 from ..megatron import train_state as ts
 from ..megatron.support import check_supported
+from ..mirror import persist
 from ..mirror.mirror import Mirror, lower_thread_priority, native_thread_ids
 from ..mirror.transport import GlooTransport
 from . import restore
@@ -25,8 +26,10 @@ log = logging.getLogger(__name__)
 
 
 class Protected:
-    def __init__(self, replicas: int, collective_timeout_s: float, job_id: int = 0):
+    def __init__(self, replicas: int, collective_timeout_s: float, job_id: int = 0,
+                 fallback_dir: Optional[str] = None, fallback_every: int = 0):
         self.replicas, self.collective_timeout_s = replicas, collective_timeout_s
+        self.fallback_dir, self.fallback_every = fallback_dir, fallback_every
         self.job_id = job_id  # snapshot.job_id(secret): copies of another job are refused
         self.model = self.optimizer = self.scheduler = self.train_state = None
         self.mirror: Optional[Mirror] = None
@@ -64,6 +67,10 @@ class Protected:
                                 + shard.unreplicated_tensors(model, dp_size))
         self.mirror.fault_hook = lambda it: fault_points(it, FaultPhase.MIRROR)
         self.mirror.job = self.job_id
+        if self.fallback_dir and self.fallback_every:
+            world = handle.world_size  # stable: a spare takes the dead rank's id
+            self.mirror.on_committed = lambda it: persist.periodic(
+                self.mirror, self.fallback_dir, self.fallback_every, world, it)
         self._connect_mirror(plan)
         self._initial_commit_pending = True
 
@@ -122,10 +129,30 @@ class Protected:
         """Restore the newest iteration held for every rank (``restore.py``); returns it."""
         self._initial_commit_pending = False
         chosen, meta = restore.execute(self.mirror, self.optimizer, self.model, rank)
+        self._apply(meta)
+        return chosen
+
+    def resume(self, root: str, world: int) -> int:
+        """``--deadpool-resume``: load the newest state saved for every rank; returns it."""
+        self._initial_commit_pending = False
+        chosen, meta = restore.resume(self.mirror, self.optimizer, self.model, root, world)
+        self._apply(meta)
+        return chosen
+
+    def _apply(self, meta: dict) -> None:
         ts.apply(meta, self.train_state, self.scheduler, self.optimizer)
         self.iteration = meta["iteration"]
         self.restored_meta = meta
-        return chosen
+
+    def save_fallback(self, world: int, quiesce_s: float) -> list:
+        """The job stops and memory cannot carry it on: once the mirror thread is idle (the
+        communicators are aborted), write every copy this process holds to the fallback
+        directory. Returns [(rank, iteration, bytes written)]."""
+        if not self.fallback_dir or self.mirror is None:
+            return []
+        if not self.mirror.quiesce(quiesce_s):
+            log.warning("fallback save: the mirror thread is still busy; saving what is sealed")
+        return persist.save_held(self.mirror, self.fallback_dir, world)
 
     # ---------------------------------------------------------------- end
     def finish_info(self) -> dict:

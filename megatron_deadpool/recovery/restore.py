@@ -89,23 +89,46 @@ def execute(mirror, optimizer, model, rank: int) -> Tuple[int, dict]:
     """Agree on the iteration (one all-gather of inventories), move missing shards from
     their holders, restore this rank's shard, rebuild model params and re-protect. Returns
     (restored iteration, its snapshot metadata)."""
-    from ..megatron import shard
-
     invs = [Inventory.from_json(x) for x in mirror.transport.all_gather_json(mirror.inventory())]
     decision = choose_restore(invs)
     chosen = decision.iteration
     if rank in decision.sources:
-        for opt in shard.distributed_optimizers(optimizer):
-            if not opt.optimizer.state:  # a spare: create the state the copy fills
-                opt._init_optimizer_states_with_dummy_values()
+        _create_optimizer_state(optimizer)
     mirror.transfer_for_restore(chosen, decision.serves(rank), decision.sources.get(rank))
+    # Buddies that already hold the restored iteration (same placement) are not re-sent.
+    held = {(o, h) for h, inv in enumerate(invs) for o, its in inv.copies.items()
+            if chosen in its}
+    return chosen, _load_and_reprotect(mirror, optimizer, model, chosen, held)
+
+
+def resume(mirror, optimizer, model, root: str, world: int) -> Tuple[int, dict]:
+    """``--deadpool-resume``: every rank loads its own saved slot of the newest iteration
+    saved for all ranks (``mirror/persist.py``), exactly as a spare loads a buddy's copy."""
+    from ..mirror import persist
+
+    chosen = persist.newest_complete(root, world)
+    _create_optimizer_state(optimizer)
+    persist.adopt(mirror, persist.read_slot(root, chosen, mirror.rank, world), chosen)
+    return chosen, _load_and_reprotect(mirror, optimizer, model, chosen, frozenset())
+
+
+def _create_optimizer_state(optimizer) -> None:
+    """A rank without a step behind it (a spare, a resumed job) creates the state the copy
+    fills."""
+    from ..megatron import shard
+
+    for opt in shard.distributed_optimizers(optimizer):
+        if not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def _load_and_reprotect(mirror, optimizer, model, chosen: int, skip) -> dict:
+    from ..megatron import shard
+
     meta = mirror.restore_local(chosen)
     if meta.get("optimizer_state_empty"):
         shard.reset_optimizer_state(optimizer)  # the initial commit: before step 1
     shard.copy_main_params_to_model(optimizer, model)
     mirror.after_restore(chosen)
-    # Buddies that already hold the restored iteration (same placement) are not re-sent.
-    held = {(o, h) for h, inv in enumerate(invs) for o, its in inv.copies.items()
-            if chosen in its}
-    mirror.reprotect(chosen, skip=held)
-    return chosen, meta
+    mirror.reprotect(chosen, skip=skip)
+    return meta

@@ -19,18 +19,17 @@ from __future__ import annotations
 
 import logging
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 from ..config import DeadpoolConfig
-from ..errors import DeadpoolError, JobStopped, MirrorError
+from ..errors import DeadpoolError, JobStopped, MirrorError, NoCommittedStateError
 from ..faults import FaultPoints, Phase as FaultPhase
 from ..membership.member import Member
 from ..membership.plan import Plan
 from ..membership.store import EventKind, WorkerState
 from ..worker_env import WorkerEnv
-from .abort import all_process_groups
+from .abort import all_process_groups, drop_traceback
 from .classify import is_comm_failure, is_peer_failure
 from .formation import adopt, form_world
 from .phases import EventSink, Phase, PhaseTimer
@@ -53,18 +52,6 @@ class Attempt:
     plan: Optional[Plan] = None
     old_groups: list = field(default_factory=list)
     restored: int = -1
-
-
-def _drop_traceback(exc: BaseException) -> None:
-    """The failed step's frames hold the old groups (schedules, p2p communicators): clear
-    them so the old generation can be freed."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if exc.__traceback__ is not None:
-            traceback.clear_frames(exc.__traceback__)
-            exc.__traceback__ = None
-        exc = exc.__context__ or exc.__cause__
 
 
 class Runtime:
@@ -146,6 +133,10 @@ class Runtime:
         self.att.attach(model, optimizer, scheduler, train_state, self.h, self.plan,
                         fault_points=self.faults)
         self.state = WorkerState.ACTIVE
+        if self.config.resume_dir and not self.promoted:
+            it = self.att.resume(self.config.resume_dir, self.h.world_size)
+            self.sink.emit("resumed", rank=self.h.rank, iteration=it, dir=self.config.resume_dir)
+            return
         if not self.promoted:
             return
         timer = PhaseTimer(self.sink, self.plan.gen, self.h.rank)
@@ -181,27 +172,44 @@ class Runtime:
     def recover(self, exc: BaseException) -> None:
         """The recovery boundary. Returns with every rank restored to the same committed
         iteration on a rebuilt world; re-raises ``exc`` if no membership change backs it."""
-        if self.state != WorkerState.ACTIVE or not self._membership_changed(exc):
+        if self.state != WorkerState.ACTIVE:
             raise exc
-        first = str(exc).splitlines()[0][:160] if str(exc) else ""
-        log.info("failure seen at iteration %s: %s: %s", self.att.iteration,
-                 type(exc).__name__, first)
-        self._recover_until_done(exc, self.att.iteration)
+        try:
+            if not self._membership_changed(exc):
+                raise exc
+            first = str(exc).splitlines()[0][:160] if str(exc) else ""
+            log.info("failure seen at iteration %s: %s: %s", self.att.iteration,
+                     type(exc).__name__, first)
+            self._recover_until_done(exc, self.att.iteration)
+        except (JobStopped, NoCommittedStateError):
+            self._save_fallback()
+            raise
+
+    def _save_fallback(self) -> None:
+        """Memory cannot carry the job on: with ``--deadpool-fallback-save``, write what this
+        process holds (its own and its buddies' copies) before it stops."""
+        if not self.config.fallback_save_dir:
+            return
+        self.world.abort("the job stops: fallback save", self.h.rank)
+        saved = self.att.save_fallback(self.h.world_size, self.config.heartbeat_timeout_s)
+        self.sink.emit("fallback_save", rank=self.h.rank, dir=self.config.fallback_save_dir,
+                       copies=[{"rank": r, "iteration": it, "bytes": b} for r, it, b in saved])
 
     def _membership_changed(self, exc: BaseException) -> bool:
-        """Aborted: a newer generation exists. A communication error: wait up to the
-        heartbeat timeout for one (the decider needs that long to see a hang). Anything
-        else is local: False at once."""
+        """Aborted: a newer generation exists. A communication error: wait for the decider
+        to declare a member dead, as long as it may need to see a lost node (heartbeat
+        timeout plus two polls and a second). Anything else is local: False at once."""
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             return False
         if self.world.aborted:
             return True
         if not is_comm_failure(exc):
             return False
-        deadline = time.monotonic() + self.config.heartbeat_timeout_s
+        cfg = self.config
+        deadline = time.monotonic() + cfg.heartbeat_timeout_s + 2 * cfg.heartbeat_interval_s + 1
         while time.monotonic() < deadline:
             self.member.raise_if_stopped()
-            if self.member.current_gen() > self.plan.gen:
+            if self.member.membership_moved(self.plan.gen):
                 return True
             time.sleep(NEW_GEN_POLL_S)
         return False
@@ -238,7 +246,7 @@ class Runtime:
         a.timer.start(Phase.ABORT)
         self.world.abort(f"{type(a.cause).__name__} in the training step", self.h.rank)
         self.att.quiesce(self.config.rendezvous_timeout_s)
-        _drop_traceback(a.cause)
+        drop_traceback(a.cause)
         if self.config.audit == "full":
             a.old_groups = weak_groups(all_process_groups())
         self.world.destroy()
@@ -295,13 +303,7 @@ class Runtime:
         decider, which stops the job with this reason instead of spending a spare."""
         if self.state == WorkerState.DONE or self._closed or isinstance(exc, JobStopped):
             return
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        try:
-            self.member.push_event(EventKind.FATAL, rank=self.h.rank,
-                                   error=f"{type(exc).__name__}: {exc}"[:500],
-                                   traceback=text[-4000:])
-        except Exception:  # noqa: BLE001 - the coordinator is gone: nothing to tell
-            pass
+        self.member.report_fatal(self.h.rank, exc)
 
     def close(self, destroy: bool = True) -> None:
         """Stop the threads and (``destroy``) free every communicator before the process

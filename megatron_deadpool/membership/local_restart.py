@@ -1,0 +1,47 @@
+"""Local restart: a process that crashed on a healthy node is restarted in its slot instead
+of spending a spare node (spares are for dead nodes).
+
+    node 2 [r4 r5]   r5 crashes (exit -9), node 2's agent and r4 still alive
+      ─► decider: restart r5 in place (up to --deadpool-max-local-restarts per rank)
+      ─► agent of node 2 spawns a standby process (new lid) in r5's slot
+      ─► it joins ─► next_plan(..., reserved={5: new lid}) ─► it is promoted like a spare
+
+A node whose processes all died, or whose agent went silent, is a dead node: spares.
+If the replacement does not come up within the starting-spare wait, the rank takes a spare.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List
+
+
+class LocalRestarts:
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used: Dict[int, int] = {}       # rank -> restarts spent
+        self.reserved: Dict[int, int] = {}   # rank -> lid of its in-place replacement
+        self.records: List[dict] = []
+
+    def eligible(self, rank: int, node_healthy: bool, live_peers_on_node: int) -> bool:
+        """Pure rule: the node is healthy (agent heartbeat fresh, another process of the
+        node alive) and the rank has restarts left."""
+        return (node_healthy and live_peers_on_node > 0 and rank not in self.reserved
+                and self.used.get(rank, 0) < self.limit)
+
+    def reserve(self, rank: int, node: int, new_lid: int, replaces: int, exit_code) -> None:
+        self.used[rank] = self.used.get(rank, 0) + 1
+        self.reserved[rank] = new_lid
+        self.records.append({"rank": rank, "node": node, "exit_code": exit_code,
+                             "lid": new_lid, "replaces": replaces, "generation": None})
+
+    def ready(self, alive_lids: Iterable[int]) -> Dict[int, int]:
+        alive = set(alive_lids)
+        return {r: lid for r, lid in self.reserved.items() if lid in alive}
+
+    def published(self, gen: int, used: Dict[int, int]) -> None:
+        """Plan ``gen`` gave ``used`` (rank -> lid) to their replacements; the rest fell
+        back to spares."""
+        for rec in self.records:
+            if rec["generation"] is None and used.get(rec["rank"]) == rec["lid"]:
+                rec["generation"] = gen
+        self.reserved.clear()

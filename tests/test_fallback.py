@@ -1,0 +1,149 @@
+"""Last-resort persistence: when memory cannot carry the job on, the survivors write the
+copies they hold (``--deadpool-fallback-save``) and the job stops naming the saved iteration;
+``--deadpool-resume`` then finishes bitwise-equal to a run that never failed."""
+
+import argparse
+
+import pytest
+import torch
+
+from conftest import launch, layout_flags
+from megatron_deadpool.config import DeadpoolConfig, add_deadpool_args
+from megatron_deadpool.errors import ConfigError, MirrorCorruptError
+from megatron_deadpool.mirror import persist, snapshot
+
+FLAGS = layout_flags(2, 2, 12)
+
+
+# ------------------------------------------------------------------ pure file logic
+class _FakeMirror:
+    """The attributes persist.py reads: a rank's slots, what they hold, its job id."""
+
+    def __init__(self, rank, job=7):
+        t = torch.arange(40, dtype=torch.float32) + rank
+        self.layout = snapshot.Layout([("w", t)], 256)
+        self.rank, self.job, self.t = rank, job, t
+        self.own = [snapshot.alloc_slot(self.layout.total_bytes, False) for _ in range(2)]
+        self.own_iter = [-1, -1]
+        self.recv, self.recv_iter = {}, {}
+
+    def ensure_layout(self):
+        return self.layout
+
+    def seal(self, iteration):
+        slot = self.own[iteration % 2]
+        snapshot.copy_tensors_in(slot, self.layout, [self.t * iteration])
+        snapshot.seal(slot, self.layout, self.rank, iteration, {"iteration": iteration}, self.job)
+        self.own_iter[iteration % 2] = iteration
+
+
+def test_an_iteration_is_complete_only_with_every_rank(tmp_path):
+    mirrors = [_FakeMirror(r) for r in range(3)]
+    for m in mirrors:
+        m.seal(4)
+    for m in mirrors[:2]:
+        m.seal(5)
+        persist.save_held(m, str(tmp_path), world=3)
+    persist.save_held(mirrors[2], str(tmp_path), world=3)
+    assert persist.scan(str(tmp_path)).complete(3) == [(4, 3)]
+    assert persist.newest_complete(str(tmp_path), 3) == 4
+    with pytest.raises(ConfigError, match="no iteration saved for all 4 ranks"):
+        persist.newest_complete(str(tmp_path), 4)
+
+
+def test_buddy_copies_complete_a_dead_ranks_files(tmp_path):
+    owner, holder = _FakeMirror(0), _FakeMirror(1)
+    owner.seal(6)
+    holder.seal(6)
+    holder.recv = {0: [owner.own[0].clone(), owner.own[1].clone()]}
+    holder.recv_iter = {0: [6, -1]}
+    saved = persist.save_held(holder, str(tmp_path), world=2)  # the owner died: no save
+    assert sorted((r, it) for r, it, _ in saved) == [(0, 6), (1, 6)]
+    assert persist.newest_complete(str(tmp_path), 2) == 6
+
+
+def test_a_torn_slot_is_not_saved(tmp_path):
+    m = _FakeMirror(0)
+    m.seal(3)
+    m.own[1][200] ^= 0xFF  # flip a tensor byte after sealing
+    assert persist.save_held(m, str(tmp_path), world=1) == []
+
+
+def test_resume_adopts_a_file_of_another_job_after_verifying_it(tmp_path):
+    old = _FakeMirror(0, job=111)
+    old.seal(8)
+    persist.save_held(old, str(tmp_path), world=1)
+    new = _FakeMirror(0, job=222)
+    data = persist.read_slot(str(tmp_path), 8, 0, 1)
+    persist.adopt(new, data, 8)
+    meta = snapshot.verify(new.own[0], 0, 8, new.layout, job=222)
+    assert meta == {"iteration": 8}
+    out = torch.empty_like(new.t)
+    snapshot.copy_tensors_out(new.own[0], new.layout, [out])
+    assert torch.equal(out, old.t * 8)
+    data[300] ^= 0x01
+    with pytest.raises(MirrorCorruptError, match="checksum"):
+        persist.adopt(_FakeMirror(0, job=333), data, 8)
+
+
+def test_periodic_saves_keep_two(tmp_path):
+    m = _FakeMirror(0)
+    for it in range(1, 9):
+        m.seal(it)
+        persist.periodic(m, str(tmp_path), every=2, world=1, iteration=it)
+    assert sorted(it for it, _ in persist.scan(str(tmp_path)).ranks) == [6, 8]
+
+
+def test_flags_are_validated():
+    p = add_deadpool_args(argparse.ArgumentParser())
+    with pytest.raises(ConfigError, match="needs --deadpool-fallback-save"):
+        DeadpoolConfig.from_args(p.parse_args(["--deadpool-fallback-every", "2"]))
+    with pytest.raises(ConfigError, match=">= 0"):
+        DeadpoolConfig(fallback_save_dir="d", fallback_every=-1)
+
+
+# ------------------------------------------------------------------ end to end
+def _stops_then_resumes(tmp_path, reference, save_flags, spares, inject):
+    d = tmp_path / "fallback"
+    p, s = launch(tmp_path, FLAGS + ["--deadpool", "--deadpool-fallback-save", str(d),
+                                     *save_flags], spares=spares, inject=inject)
+    assert p.returncode != 0, p.stdout[-3000:]
+    saved = s["fallback_save"]
+    assert saved["iteration"] is not None and saved["bytes"] > 0, (saved, p.stdout[-3000:])
+    assert f"fallback save: iteration {saved['iteration']} of every rank" in p.stdout
+    r, s2 = launch(tmp_path, FLAGS + ["--deadpool", "--deadpool-resume", str(d)],
+                   spares=0, name="resumed")
+    assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
+    assert s2["final_state_sha256"] == reference(FLAGS)["final_state_sha256"]
+    return saved, s, s2
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_lost_primary_and_buddy_saves_then_resumes_bitwise(tmp_path, reference):
+    """Node 1's ranks (2, 3) keep their copies on node 2: both nodes die together, so memory
+    holds no copy of ranks 2 and 3; the periodic saves (every 2 iterations) hold them."""
+    saved, _, resumed = _stops_then_resumes(
+        tmp_path, reference, ["--deadpool-fallback-every", "2"], spares=2,
+        inject=["kill:node=1@iter=7", "kill:node=2@iter=7"])
+    assert saved["iteration"] in (4, 6)
+    assert resumed["completed_iters"] == 12 - saved["iteration"]
+
+
+@pytest.mark.slow
+def test_no_spare_left_saves_what_survivors_hold_then_resumes_bitwise(tmp_path, reference):
+    """No periodic saves: with no spare left, the survivors' own and buddy copies cover
+    every rank of the last committed iteration."""
+    saved, stopped, _ = _stops_then_resumes(tmp_path, reference, [], spares=1,
+                                            inject=["kill:node=1@iter=4", "kill:node=3@iter=8"])
+    assert stopped["error"].startswith("no spare left")
+    assert stopped["error"].endswith(f"last committed iteration {saved['iteration']}")
+
+
+def test_megatron_lm_refuses_resume_until_it_is_tested_there():
+    from megatron_deadpool.megatron.lm_rules import unsupported_args
+
+    args = argparse.Namespace(use_distributed_optimizer=True, deadpool_resume="d")
+    assert any("--deadpool-resume" in r for r in unsupported_args(args))
+    args.deadpool_resume = None
+    assert not any("--deadpool-resume" in r for r in unsupported_args(args))
