@@ -3,6 +3,7 @@ copies they hold (``--deadpool-fallback-save``) and the job stops naming the sav
 ``--deadpool-resume`` then finishes bitwise-equal to a run that never failed."""
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -104,13 +105,17 @@ def test_flags_are_validated():
 
 # ------------------------------------------------------------------ end to end
 def _stops_then_resumes(tmp_path, reference, save_flags, spares, inject):
-    d = tmp_path / "fallback"
+    d, events = tmp_path / "fallback", tmp_path / "events.jsonl"
     p, s = launch(tmp_path, FLAGS + ["--deadpool", "--deadpool-fallback-save", str(d),
-                                     *save_flags], spares=spares, inject=inject)
+                                     "--deadpool-events", str(events), *save_flags],
+                  spares=spares, inject=inject)
     assert p.returncode != 0, p.stdout[-3000:]
     saved = s["fallback_save"]
     assert saved["iteration"] is not None and saved["bytes"] > 0, (saved, p.stdout[-3000:])
     assert f"fallback save: iteration {saved['iteration']} of every rank" in p.stdout
+    writers = [e for e in map(json.loads, events.read_text().splitlines())
+               if e["event"] == "fallback_save"]
+    assert writers, "no survivor reported a fallback save"
     r, s2 = launch(tmp_path, FLAGS + ["--deadpool", "--deadpool-resume", str(d)],
                    spares=0, name="resumed")
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]

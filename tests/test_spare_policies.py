@@ -20,7 +20,9 @@ FLAGS = layout_flags(2, 2, 12)
 
 @pytest.mark.ci
 def test_crash_on_a_healthy_node_restarts_in_place(tmp_path, reference):
-    p, s = launch(tmp_path, FLAGS + ["--deadpool", "--deadpool-max-local-restarts", "1"],
+    events = tmp_path / "events.jsonl"
+    p, s = launch(tmp_path, FLAGS + ["--deadpool", "--deadpool-max-local-restarts", "1",
+                                     "--deadpool-events", str(events)],
                   spares=1, inject=["kill:rank=5@iter=6"])
     assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
     assert s["final_state_sha256"] == reference(FLAGS)["final_state_sha256"]
@@ -32,6 +34,9 @@ def test_crash_on_a_healthy_node_restarts_in_place(tmp_path, reference):
     assert local["rank"] == 5 and local["node"] == 2 and local["exit_code"] == -9
     assert local["restored_iter"] == rec["restored_iter"] and local["total_s"] > 0
     assert s["standby_spares_at_end"] == 2  # the spare node is still in standby
+    ev = [json.loads(x) for x in events.read_text().splitlines()]
+    (restart,) = [e for e in ev if e["event"] == "local_restart"]
+    assert restart["rank"] == 5 and restart["lid"] == new_lid
 
 
 def test_second_crash_of_the_same_rank_takes_the_spare(tmp_path, reference):
@@ -65,7 +70,9 @@ def test_no_spare_waits_for_a_spare_node_that_joins(tmp_path, reference):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
                DEADPOOL_TOKEN=secrets.token_hex(16))
     port = free_port()
-    flags = FLAGS + ["--deadpool", "--deadpool-on-no-spare", "wait"]
+    events = tmp_path / "events.jsonl"
+    flags = FLAGS + ["--deadpool", "--deadpool-on-no-spare", "wait", "--deadpool-events",
+                     str(events)]
     summary = tmp_path / "s.json"
     job = _cli(["launch", "--nodes", "4", "--procs-per-node", "2", "--spare-nodes", "1",
                 "--master-port", str(port), "--summary-json", str(summary),
@@ -94,3 +101,6 @@ def test_no_spare_waits_for_a_spare_node_that_joins(tmp_path, reference):
     assert first["spare_of_rank"] == {"2": 8, "3": 9}
     assert set(second["spare_of_rank"].values()) == {10, 11}  # the joined node's processes
     assert s["waited_for_spare_s"] > 0
+    ev = [json.loads(x) for x in events.read_text().splitlines()]
+    assert [e["waited_s"] for e in ev if e["event"] == "spare_wait"] == [
+        pytest.approx(s["waited_for_spare_s"], abs=0.01)]

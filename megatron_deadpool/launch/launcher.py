@@ -22,6 +22,7 @@ from typing import Dict, List, Optional
 
 from ..membership import store as st
 from ..membership.decider import Decider, Proc, Role
+from ..recovery.phases import EventSink
 from ..worker_env import WorkerEnv
 from .agent import NodeAgent, WorkerSpec
 from .fault_driver import FaultDriver
@@ -170,7 +171,8 @@ def _start_decider(job: Job, specs: List[WorkerSpec], token: str, faults) -> Non
     procs = {s.lid: Proc(lid=s.lid, node=s.node, role=s.role, rank=s.rank) for s in specs}
     job.decider = Decider(store=job.store, procs=procs, world_size=job.opts.world_size,
                           token=token, send_command=job.coord.push_command,
-                          config=job.cfg.decider(), log=job.say)
+                          config=job.cfg.decider(), log=job.say,
+                          emit=EventSink(job.cfg.events_path).emit)
     job.driver = FaultDriver(faults, job.decider, job.coord.push_command, job.say,
                              claim=lambda i: job.store.add(st.k("inject", i), 1) == 1)
     job.decider.publish_initial_plan()

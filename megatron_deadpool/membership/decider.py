@@ -37,6 +37,7 @@ class Decider:
     # Called with every fault_request event (the launcher's fault driver delivers node
     # faults to the node's other processes and records them).
     on_fault: Callable[[dict], None] = lambda ev: None
+    emit: Callable[..., None] = lambda event, **fields: None  # --deadpool-events
 
     def __post_init__(self):
         self.cursor = 0
@@ -224,6 +225,8 @@ class Decider:
             new = self.new_lid()
             self.procs[new] = Proc(lid=new, node=p.node, role=Role.SPARE)
             self.local.reserve(p.rank, p.node, new, lid, p.exit_code)
+            self.emit("local_restart", rank=p.rank, node=p.node, exit_code=p.exit_code,
+                      lid=new, replaces=lid)
             self.send_command(p.node, {"op": CommandOp.SPAWN, "lid": new, "replaces": lid})
             self.log(f"rank {p.rank} (process {lid}) crashed on healthy node {p.node}: "
                      f"restarting it in place as process {new}")
@@ -252,6 +255,8 @@ class Decider:
         self.local.published(plan.gen, plan.spare_of_rank)
         if self._waiting_logged:
             self.waited_for_spare_s += self.clock() - self.first_dead_t
+            self.emit("spare_wait", generation=plan.gen,
+                      waited_s=round(self.clock() - self.first_dead_t, 3))
         for lid in self.pending_dead:
             self.procs[lid].rank = None
         for rank, lid in plan.spare_of_rank.items():
