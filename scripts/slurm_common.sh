@@ -109,6 +109,7 @@ deadpool_trainer_flags() { # fills the array TRAIN_FLAGS
     read -r -d "" -a extra <<< "$EXTRA_FLAGS" || true
     TRAIN_FLAGS+=("${extra[@]}")
   fi
+  printf '%s\n' "${TRAIN_FLAGS[@]}" > "$OUT/trainer_flags.txt"  # what trained, for replays
   TRAIN_FLAGS+=(--deadpool --deadpool-events "$OUT/events.jsonl")
 }
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # slurm_local.sh -- a real Slurm cluster on this one Linux host, for tests and CI:
 # munged + slurmctld + one `slurmd -N nX` per emulated node (Debian's slurm-wlm is built
-# with multiple-slurmd support), loopback only, no systemd, no cgroups, no accounting.
+# with multiple-slurmd support), loopback only, no systemd, no cgroups, no slurmdbd (finished jobs: a jobcomp file).
 # Needs root (slurmd runs jobs as the submitting user).
 #
 #   scripts/slurm_local.sh install        apt-get install slurmctld slurmd slurm-client munge

@@ -143,9 +143,10 @@ def _supervise(job: Job) -> None:
         d = job.decider
         if job.opts.respawn_spares and d is not None and not d.finished:
             _respawn(job, exited)
-        if d is None and not job.cfg.enabled:  # with --deadpool, node 0's decider decides
+        if d is None:
             bad = [(lid, code) for _, lid, code in exited if code != 0]
-            if bad and job.failed is None:
+            # with --deadpool, node 0's decider decides what a failed worker means
+            if bad and job.failed is None and not job.cfg.enabled:
                 job.failed = f"worker(s) {bad} failed (lid, exit code); stopping the job"
                 job.say(job.failed)
                 return
