@@ -189,16 +189,17 @@ class Runtime:
         self._recover_until_done(exc, self.att.iteration)
 
     def _membership_changed(self, exc: BaseException) -> bool:
-        """Aborted: a newer generation exists. A communication error: wait up to the
-        heartbeat timeout for one (the decider needs that long to see a hang). Anything
-        else is local: False at once."""
+        """Aborted: a newer generation exists. A communication error: wait for the decider
+        to declare a member dead, as long as it may need to see a lost node (heartbeat
+        timeout plus two polls and a second). Anything else is local: False at once."""
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             return False
         if self.world.aborted:
             return True
         if not is_comm_failure(exc):
             return False
-        deadline = time.monotonic() + self.config.heartbeat_timeout_s
+        cfg = self.config
+        deadline = time.monotonic() + cfg.heartbeat_timeout_s + 2 * cfg.heartbeat_interval_s + 1
         while time.monotonic() < deadline:
             self.member.raise_if_stopped()
             if self.member.current_gen() > self.plan.gen:
