@@ -18,6 +18,7 @@
 #                      the mirror fits host memory and prints the trainer flags
 #   TRAINER_FLAGS      instead of PRESET: the trainer flags themselves
 #   EXTRA_FLAGS        appended to the trainer flags (e.g. "--train-iters 100")
+#   DEADPOOL_REPLICAS  K, buddy copies of every rank's state (1); the plan checks it fits
 #   MEGATRON_LM_DIR    a Megatron-LM tree at core_v0.16.1 with patches/ applied: run its
 #                      pretrain_gpt.py instead of the reference trainer
 #   DEADPOOL_REPO      this repository (default: $SLURM_SUBMIT_DIR)
@@ -94,12 +95,17 @@ deadpool_trainer_flags() { # fills the array TRAIN_FLAGS
     read -r -d "" -a TRAIN_FLAGS <<< "$TRAINER_FLAGS" || true
   elif [ -n "${PRESET:-}" ]; then
     # Refuses (non-zero, naming the limit) a layout whose mirror does not fit host memory.
-    "$DEADPOOL_PYTHON" -m megatron_deadpool.cli plan --preset "$PRESET" \
-      --system "${DEADPOOL_SYSTEM:?}" --nodes "$ACTIVE_NODES" | tee "$OUT/plan.txt" ||
+    if ! "$DEADPOOL_PYTHON" -m megatron_deadpool.cli plan --preset "$PRESET" \
+        --system "${DEADPOOL_SYSTEM:?}" --nodes "$ACTIVE_NODES" \
+        --replicas "${DEADPOOL_REPLICAS:-1}" > "$OUT/plan.txt"; then
+      cat "$OUT/plan.txt"
       deadpool_die "deadpool plan refused preset $PRESET on $ACTIVE_NODES node(s)"
+    fi
+    cat "$OUT/plan.txt"
     local flags
     flags=$("$DEADPOOL_PYTHON" -m megatron_deadpool.cli plan --preset "$PRESET" \
-      --system "$DEADPOOL_SYSTEM" --nodes "$ACTIVE_NODES" --flags)
+      --system "$DEADPOOL_SYSTEM" --nodes "$ACTIVE_NODES" --replicas "${DEADPOOL_REPLICAS:-1}" \
+      --flags)
     read -r -d "" -a TRAIN_FLAGS <<< "$flags" || true
   else
     deadpool_die "set PRESET or TRAINER_FLAGS"
@@ -110,7 +116,8 @@ deadpool_trainer_flags() { # fills the array TRAIN_FLAGS
     TRAIN_FLAGS+=("${extra[@]}")
   fi
   printf '%s\n' "${TRAIN_FLAGS[@]}" > "$OUT/trainer_flags.txt"  # what trained, for replays
-  TRAIN_FLAGS+=(--deadpool --deadpool-events "$OUT/events.jsonl")
+  TRAIN_FLAGS+=(--deadpool --deadpool-replicas "${DEADPOOL_REPLICAS:-1}"
+                --deadpool-events "$OUT/events.jsonl")
 }
 
 # One agent per node. --no-kill: a node that slurmctld marks DOWN does not end the step

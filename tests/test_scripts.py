@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -58,3 +59,49 @@ def test_gpu_scripts_keep_nccl_errors_in_process():
     for name in ("perlmutter.sbatch", "vista.sbatch"):
         text = (REPO / "scripts" / name).read_text()
         assert re.search(r"^export TORCH_NCCL_ASYNC_ERROR_HANDLING=2$", text, re.M), name
+
+
+def _bash(script: str, env: dict, cwd):
+    return subprocess.run(["bash", "-c", script], env=dict(os.environ, **env), cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_preset_flags_come_from_deadpool_plan(tmp_path):
+    p = _bash('set -euo pipefail; source scripts/slurm_common.sh; deadpool_trainer_flags; '
+              'printf "%s\\n" "${TRAIN_FLAGS[@]}"',
+              {"OUT": str(tmp_path), "DEADPOOL_PYTHON": sys.executable, "PRESET": "gpt-7b",
+               "DEADPOOL_SYSTEM": "perlmutter", "ACTIVE_NODES": "16",
+               "EXTRA_FLAGS": "--train-iters 7", "DEADPOOL_REPLICAS": "2"}, REPO)
+    assert p.returncode == 0, p.stderr
+    flags = p.stdout.split()
+    assert flags[flags.index("--tensor-model-parallel-size") + 1] == "4"
+    assert flags[-7:] == ["--train-iters", "7", "--deadpool", "--deadpool-replicas", "2",
+                          "--deadpool-events", str(tmp_path / "events.jsonl")]
+    assert "K=2" in (tmp_path / "plan.txt").read_text()
+    assert (tmp_path / "trainer_flags.txt").read_text().split()[-2:] == ["--train-iters", "7"]
+
+
+def test_a_mirror_that_does_not_fit_stops_the_batch_script(tmp_path):
+    p = _bash('set -euo pipefail; source scripts/slurm_common.sh; deadpool_trainer_flags; '
+              'echo STARTED',
+              {"OUT": str(tmp_path), "DEADPOOL_PYTHON": sys.executable, "PRESET": "gpt-65b",
+               "DEADPOOL_SYSTEM": "vista", "ACTIVE_NODES": "16"}, REPO)
+    assert p.returncode == 2 and "STARTED" not in p.stdout
+    assert "120 GB" in p.stderr and "refused" in p.stderr
+
+
+def test_agent_task_finds_its_node_rank_and_the_coordinator(tmp_path):
+    stub = tmp_path / "python"
+    stub.write_text('#!/bin/bash\necho "TOKEN=$DEADPOOL_TOKEN ARGS=$*"\n')
+    stub.chmod(0o755)
+    (tmp_path / "token").write_text("s3cret\n")
+    env = {"DEADPOOL_PYTHON": str(stub), "NODE_ORDER": "n3 n0 n1 n2", "SLURMD_NODENAME": "n1",
+           "SLURM_LAUNCH_NODE_IPADDR": "10.1.2.3", "DEADPOOL_TOKEN_FILE": str(tmp_path / "token"),
+           "DEADPOOL_REPO": str(REPO), "ACTIVE_NODES": "3", "PROCS_PER_NODE": "4",
+           "SPARE_NODES": "1", "MASTER_PORT": "4242", "OUT": str(tmp_path)}
+    p = _bash(f'bash {REPO}/scripts/slurm_common.sh agent -- --num-layers 2', env, tmp_path)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "TOKEN=s3cret " in out and "--node-rank 2 " in out  # n3 (batch node) is rank 0
+    assert "--master-addr 10.1.2.3 --master-port 4242" in out
+    assert out.rstrip().endswith("-- --num-layers 2")
