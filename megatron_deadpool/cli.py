@@ -1,10 +1,12 @@
-"""``deadpool`` command line: launch | demo | bench."""
+"""``deadpool`` command line: launch | demo | soak | bench | plan."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 from .errors import DeadpoolError
@@ -32,7 +34,24 @@ def build_parser() -> argparse.ArgumentParser:
                                "(usage: deadpool launch [options] -- <trainer flags>)"))
     _add_demo_and_soak(sub)
     _add_bench(sub)
+    _add_plan(sub.add_parser("plan", help="optimizer-shard bytes per rank and mirror host "
+                             "memory per node of a preset; refuses a mirror that does not fit"))
     return p
+
+
+def _add_plan(pp) -> None:
+    pp.add_argument("--preset", required=True,
+                    help="a name in configs/presets (gpt-1.3b, gpt-7b, gpt-13b, gpt-65b) or a "
+                         "path to a preset JSON file")
+    pp.add_argument("--system", required=True, choices=["perlmutter", "vista"])
+    pp.add_argument("--nodes", type=int, default=None, help="active nodes (default: preset's)")
+    pp.add_argument("--replicas", type=int, default=1, choices=[1, 2],
+                    help="K, the buddy copies the job will use (--deadpool-replicas)")
+    pp.add_argument("--host-fraction", type=float, default=None,
+                    help="share of host memory the mirror may use (default 0.75)")
+    pp.add_argument("--json", action="store_true", help="print the table as JSON")
+    pp.add_argument("--flags", action="store_true",
+                    help="print only the trainer flags of this layout (after the checks)")
 
 
 def _add_launch(lp) -> None:
@@ -140,6 +159,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             out = run_soak(args.failures, args.seed, args.gap, args.summary_json)
             return 0 if out["bitwise_equal"] and out["failures_injected"] == args.failures \
                 else 1
+        if args.cmd == "plan":
+            return _run_plan(args)
         if args.cmd == "bench":
             from . import bench
 
@@ -157,6 +178,42 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"deadpool: error: {exc}", file=sys.stderr, flush=True)
         return 2
     return 2
+
+
+def _preset_path(name: str) -> Path:
+    if os.path.exists(name):
+        return Path(name)
+    base = Path(os.environ.get("DEADPOOL_PRESETS")
+                or Path(__file__).resolve().parents[1] / "configs" / "presets")
+    path = base / f"{name}.json"
+    if not path.exists():
+        known = sorted(p.stem for p in base.glob("*.json"))
+        raise DeadpoolError(f"no preset {name!r} in {base} (known: {', '.join(known)})")
+    return path
+
+
+def _run_plan(args) -> int:
+    from . import planning
+
+    preset = json.loads(_preset_path(args.preset).read_text())
+    try:
+        fraction = planning.DEFAULT_HOST_FRACTION if args.host_fraction is None \
+            else args.host_fraction
+        table = planning.plan(preset, args.system, args.nodes, fraction)
+    except planning.PlanError as exc:
+        raise DeadpoolError(str(exc)) from None
+    reason = planning.refusal(table, args.replicas)
+    if args.flags:
+        if reason:
+            raise DeadpoolError(f"refused: {reason}")
+        lay = planning.layout_for(preset, planning.SYSTEMS[args.system], args.nodes)
+        print(" ".join(planning.trainer_flags(preset, lay)))
+        return 0
+    print(json.dumps(table, indent=2) if args.json else "\n".join(planning.format_table(table)))
+    if reason:
+        print(f"deadpool plan: refused: {reason}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

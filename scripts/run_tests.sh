@@ -4,7 +4,7 @@
 # With CI=true (or DEADPOOL_REQUIRE_MLM=1) the tests of the real Megatron-LM script must run:
 # a missing Megatron-LM tree fails them instead of skipping, and any skip among them fails.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 PY=${PY:-.venv/bin/python}
 export OMP_NUM_THREADS=1
 if [ "${CI:-}" = "true" ]; then export DEADPOOL_REQUIRE_MLM=1; fi

@@ -51,3 +51,30 @@ def test_one_agent_per_node_with_spare_node(tmp_path, reference):
     (rec,) = s["recoveries"]
     assert rec["failed_ranks"] == [1] and rec["spare_of_rank"] == {"1": 2}
     assert not (tmp_path / "node1.json").exists()  # only node 0 writes the summary
+
+
+def test_a_worker_failure_on_a_node_agent_leaves_its_other_workers_alone(tmp_path, reference):
+    """Node 1's agent (no coordinator) sees rank 2 die: it must leave the decision to node
+    0's decider, not stop the job or terminate rank 3 (its other worker): one recovery,
+    rank 2 only."""
+    flags = layout_flags(1, 2, 8, world=4)
+    ref = reference(flags, nodes=2, ppn=2)
+    port = _port_pair()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), DEADPOOL_TOKEN="t0k")
+    procs = []
+    for node in range(3):
+        args = [sys.executable, "-m", "megatron_deadpool.cli", "launch", "--nodes", "2",
+                "--procs-per-node", "2", "--spare-nodes", "1", "--node-rank", str(node),
+                "--master-addr", "127.0.0.1", "--master-port", str(port),
+                "--results-dir", str(tmp_path / "res"), "--inject", "kill:rank=2@iter=4",
+                "--summary-json", str(tmp_path / f"node{node}.json"), "--",
+                *flags, "--deadpool"]
+        procs.append(subprocess.Popen(args, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=400)[0] for p in procs]
+    assert procs[0].returncode == 0, outs[0][-4000:]
+    s = json.loads((tmp_path / "node0.json").read_text())
+    assert s["final_state_sha256"] == ref["final_state_sha256"]
+    (rec,) = s["recoveries"]
+    assert rec["failed_ranks"] == [2] and set(rec["spare_of_rank"]) == {"2"}, rec
+    assert "stopping the job" not in outs[1], outs[1][-3000:]

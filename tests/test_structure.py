@@ -11,7 +11,7 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "megatron_deadpool"
 
 # Bottom to top. A module may import from its own layer and the layers below it.
 LAYERS = [
-    ("foundations", ["errors", "faults", "config", "worker_env"]),
+    ("foundations", ["errors", "faults", "config", "worker_env", "planning"]),
     ("mechanisms", ["membership.auth", "membership.assign", "membership.plan",
                     "membership.procs", "membership.local_restart",
                     "membership.store", "mirror.placement", "mirror.snapshot",

@@ -180,13 +180,19 @@ def _start_decider(job: Job, specs: List[WorkerSpec], token: str, faults) -> Non
 
 def _supervise(job: Job) -> None:
     while True:
-        exited = [(a, lid, code) for a in job.agents for lid, code in a.poll()]
+        try:
+            exited = [(a, lid, code) for a in job.agents for lid, code in a.poll()]
+        except RuntimeError:  # DistNetworkError: node 0 closed the store after the job ended
+            if job.hosts_store or any(a.alive() for a in job.agents):
+                raise
+            return
         d = job.decider
         if job.opts.respawn_spares and d is not None and not d.finished:
             _respawn(job, exited)
         if not job.cfg.enabled:  # no DeadPool: a failed worker ends the job
             bad = [(lid, code) for _, lid, code in exited if code != 0]
-            if bad and job.failed is None:
+            # with --deadpool, node 0's decider decides what a failed worker means
+            if bad and job.failed is None and not job.cfg.enabled:
                 job.failed = f"worker(s) {bad} failed (lid, exit code); stopping the job"
                 job.say(job.failed)
                 return

@@ -1,0 +1,164 @@
+"""The CPU batch script (``scripts/cpu-local.sbatch``) under a real Slurm: a local cluster of
+5 emulated nodes (``tests/slurm_cluster.py``), 4 active + 1 spare node, one deadpool agent
+per node started by ``srun``. Two faults, each in its own job, mid-run:
+
+* task kill: SIGKILL the workers of node 1 (Slurm's step and node stay up);
+* node loss: SIGKILL node 1's slurmd, its step daemon and every job process there. Slurm
+  marks the node DOWN only later; the job must still be running then and end COMPLETED.
+
+Each job must end with the failure-free run's state fingerprint. Needs root (slurmd runs
+jobs as the submitting user) and installs slurm-wlm and munge with apt when missing.
+Measured numbers are printed and, with DEADPOOL_SLURM_REPORT=FILE, appended to FILE as JSON
+lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from slurm_cluster import LocalSlurm, installed, proc_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.ci, pytest.mark.slurm]
+
+# Long enough that training still runs when Slurm marks a lost node DOWN (16-20 s after the
+# loss with this cluster's SlurmdTimeout=10/MessageTimeout=5) on an idle 2-core machine.
+TRAIN_ITERS = 250
+KILL_AFTER_ITERS = 3
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        pytest.skip("a local Slurm cluster needs root on Linux (slurmd runs jobs as the "
+                    "submitting user)")
+    # munged wants every directory above its socket searchable by all: not pytest's 0700
+    # temp dirs. A private 0711 directory of our own, removed afterwards.
+    base = Path(tempfile.mkdtemp(prefix="deadpool-slurm-"))
+    base.chmod(0o711)
+    c = LocalSlurm(base)
+    if not installed():
+        c.install()
+    try:
+        c.up()
+        yield c
+    finally:
+        print(c.down())
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _submit(cluster, tmp_path):
+    out = tmp_path / "out"
+    env = {"DEADPOOL_PYTHON": sys.executable, "DEADPOOL_REPO": str(REPO), "OUT": str(out),
+           "TRAIN_ITERS": str(TRAIN_ITERS), "PYTHONPATH": str(REPO)}
+    job = cluster.sbatch(REPO / "scripts" / "cpu-local.sbatch", env, tmp_path,
+                         "-o", str(tmp_path / "job.out"))
+    return job, out
+
+
+def _wait_mid_run(cluster, job, out, timeout=300):
+    """Until the job has trained KILL_AFTER_ITERS iterations; returns node 1's name (the
+    node with node rank 1: never the batch node, which hosts the coordinator)."""
+    losses = out / "results" / "losses.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if losses.exists() and len(losses.read_text().splitlines()) >= KILL_AFTER_ITERS:
+            break
+        assert cluster.job(job).get("JobState") in ("PENDING", "RUNNING"), cluster.job(job)
+        time.sleep(0.2)
+    else:
+        raise TimeoutError(f"job {job} did not reach iteration {KILL_AFTER_ITERS}")
+    for pid in cluster.job_pids(job):
+        order = proc_env(pid).get("NODE_ORDER", "").split()
+        if order:
+            return order[1]
+    raise RuntimeError(f"no process of job {job} has NODE_ORDER")
+
+
+def _first_recovery_event_ts(out: Path) -> float:
+    ev = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
+    return min(e["ts"] for e in ev if e["event"] in ("abort", "promoted", "phase"))
+
+
+def _job_end_ts(out: Path) -> float:
+    """When the last rank wrote its final result (mtime of the newest rank file)."""
+    return max(p.stat().st_mtime for p in (out / "results").glob("rank*.json"))
+
+
+def _check_job(cluster, job, out, tmp_path, reference, victim_rank=1):
+    info = cluster.wait_job(job, timeout=600)
+    log = (tmp_path / "job.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info.get("ExitCode") == "0:0", \
+        f"{info}\n{log[-6000:]}"
+    assert cluster.sacct_state(job) == "COMPLETED"
+    s = json.loads((out / "summary.json").read_text())
+    flags = (out / "trainer_flags.txt").read_text().split() + ["--device", "cpu"]
+    ref = reference(flags, nodes=4, ppn=1)
+    (rec,) = s["recoveries"]
+    assert rec["failed_ranks"] == [victim_rank] and rec["spare_of_rank"] == {"1": 4}, rec
+    assert s["completed_iters"] == TRAIN_ITERS
+    bitwise_equal = s["final_state_sha256"] == ref["final_state_sha256"]
+    assert bitwise_equal, (s["final_state_sha256"], ref["final_state_sha256"], log[-6000:])
+    assert s["losses"] == ref["losses"]
+    return s, rec, bitwise_equal
+
+
+def _report(rec: dict) -> None:
+    print("SLURM-TEST " + json.dumps(rec, sort_keys=True))
+    path = os.environ.get("DEADPOOL_SLURM_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(rec, sort_keys=True) + "\n")
+
+
+def test_task_kill_hot_swaps_under_slurm(cluster, tmp_path, reference):
+    t0 = time.monotonic()
+    job, out = _submit(cluster, tmp_path)
+    node = _wait_mid_run(cluster, job, out)
+    t_kill = time.time()
+    killed = cluster.kill_workers(job, node)
+    s, rec, equal = _check_job(cluster, job, out, tmp_path, reference)
+    assert cluster.node_state(node) in ("idle", "mixed", "allocated")  # Slurm saw nothing
+    _report({"test": "task_kill", "job": job, "node": node, "killed_pids": killed,
+             "deadpool_first_event_s": round(_first_recovery_event_ts(out) - t_kill, 3),
+             "deadpool_detect_s": rec["phases_s"]["detect"], "recovery_s": rec["total_s"],
+             "bitwise_equal": equal, "job_state": "COMPLETED",
+             "test_s": round(time.monotonic() - t0, 1)})
+
+
+def test_node_loss_hot_swaps_before_slurm_marks_it_down(cluster, tmp_path, reference):
+    t0 = time.monotonic()
+    job, out = _submit(cluster, tmp_path)
+    node = _wait_mid_run(cluster, job, out)
+    t_kill = time.time()
+    killed = cluster.kill_node(job, node)
+    state, deadline = "", time.monotonic() + 300
+    while "down" not in state:  # the job ends (assert below) or Slurm notices
+        assert time.monotonic() < deadline, f"Slurm never marked {node} down"
+        state = cluster.node_state(node)
+        job_state = cluster.job(job).get("JobState")
+        assert job_state == "RUNNING", \
+            f"job {job} is {job_state} before Slurm marked {node} down (node: {state!r})"
+        time.sleep(0.25)
+    slurm_down_s = time.time() - t_kill
+    time.sleep(1.0)
+    after_down = cluster.job(job).get("JobState")
+    assert after_down == "RUNNING", f"job {job} is {after_down} after {node} went down"
+    s, rec, equal = _check_job(cluster, job, out, tmp_path, reference)
+    ended_s = _job_end_ts(out) - t_kill
+    deadpool_s = _first_recovery_event_ts(out) - t_kill
+    assert deadpool_s < slurm_down_s
+    print(cluster.restart_node(node))
+    _report({"test": "node_loss", "job": job, "node": node, "killed": killed,
+             "slurm_down_s": round(slurm_down_s, 3),
+             "deadpool_first_event_s": round(deadpool_s, 3),
+             "deadpool_detect_s": rec["phases_s"]["detect"], "recovery_s": rec["total_s"],
+             "job_state_after_down": after_down, "training_ended_s": round(ended_s, 3), "bitwise_equal": equal,
+             "job_state": "COMPLETED", "test_s": round(time.monotonic() - t0, 1)})
