@@ -191,12 +191,11 @@ def _supervise(job: Job) -> None:
             _respawn(job, exited)
         if not job.cfg.enabled:  # no DeadPool: a failed worker ends the job
             bad = [(lid, code) for _, lid, code in exited if code != 0]
-            # with --deadpool, node 0's decider decides what a failed worker means
-            if bad and job.failed is None and not job.cfg.enabled:
+            if bad and job.failed is None:
                 job.failed = f"worker(s) {bad} failed (lid, exit code); stopping the job"
                 job.say(job.failed)
                 return
-        elif d is not None:  # node 0: decide; other nodes only run their workers
+        elif d is not None:  # node 0 decides what a failed worker means; others run theirs
             d.step()
             job.driver.poll(time.time())
             _name_promoted(job)
