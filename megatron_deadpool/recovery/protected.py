@@ -49,7 +49,7 @@ class Protected:
 
         if self._suppressor is not None:
             self._suppressor.stop()
-        check_supported(model)
+        check_supported(model, optimizer)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.train_state = train_state
         self._with_cuda = handle.device.type == "cuda"
@@ -104,6 +104,7 @@ class Protected:
         meta = ts.capture(iteration, self.train_state, self.scheduler, self.optimizer,
                           with_cuda=self._with_cuda)
         meta["optimizer_state_empty"] = shard.optimizer_state_empty(self.optimizer)
+        meta["param_groups"] = shard.group_state(self.optimizer)
         return meta
 
     # ---------------------------------------------------------------- recovery
@@ -122,6 +123,7 @@ class Protected:
         """Restore the newest iteration held for every rank (``restore.py``); returns it."""
         self._initial_commit_pending = False
         chosen, meta = restore.execute(self.mirror, self.optimizer, self.model, rank)
+        shard.load_group_state(self.optimizer, meta["param_groups"])
         ts.apply(meta, self.train_state, self.scheduler, self.optimizer)
         self.iteration = meta["iteration"]
         self.restored_meta = meta
