@@ -12,7 +12,7 @@ def test_defaults_valid():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"replicas": 0}, "replicas"),
+    ({"replicas": -1}, "replicas"),
     ({"heartbeat_interval_s": 3.0, "heartbeat_timeout_s": 5.0}, "twice"),
     ({"heartbeat_timeout_s": 400.0}, "soft < hard"),
     ({"rendezvous_timeout_s": 700.0}, "collective-timeout"),

@@ -15,7 +15,8 @@ from ..faults import Phase as FaultPhase
 from ..megatron import shard
 from ..megatron import train_state as ts
 from ..megatron.support import check_supported
-from ..mirror.mirror import Mirror, lower_thread_priority, native_thread_ids
+from ..mirror.mirror import Mirror
+from ..mirror.threads import lower_thread_priority, native_thread_ids
 from ..mirror.transport import GlooTransport
 from . import restore
 from .quiet import CollectiveSuppressor
@@ -137,8 +138,10 @@ class Protected:
         m.wait()
         return {"mirror_waits": m.waits, "mirror_wait_s": m.wait_s, "mirror_jobs": m.jobs,
                 "mirror_job_s": m.job_s, "bench_modes": self.bench_modes,
-                "host_bytes": m.host_bytes,
+                "host_bytes": m.host_bytes, "pinned_bytes": m.pinned_bytes,
                 "mirror_bytes": m.layout.total_bytes if m.layout else 0,
+                "mirror_tensor_bytes": m.layout.tensor_bytes if m.layout else 0,
+                "mirror_copies": m.copy_stats(),
                 "committed": m.committed}
 
     def close(self) -> None:
