@@ -80,3 +80,21 @@ class SoloTransport:
 
     def all_gather_json(self, obj, timeout_s=None):
         return [obj]
+
+
+def protect(model, optimizer, scheduler, state, replicas: int = 0):
+    """``Protected.attach`` as the runtime calls it, for a world of one (one node)."""
+    import torch
+
+    from megatron_deadpool.recovery.protected import Protected
+
+    p = Protected(replicas=replicas, collective_timeout_s=60)
+    handle = SimpleNamespace(rank=0, device=torch.device("cpu"))
+    plan = SimpleNamespace(node_of_rank=[0])
+    p.attach(model, optimizer, scheduler, state, handle, plan, lambda it, phase: None)
+    return p
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -43,7 +43,14 @@ def test_bench_overhead_prints_and_writes_fields(tmp_path):
         assert k in d, k
     assert d["ratio_on_over_off"] == pytest.approx(d["step_s_on"] / d["step_s_off"])
     assert d["host_bytes_per_rank"] <= 4 * d["mirror_bytes_per_rank"]
-    assert "ratio_on_over_off" in p.stdout
+    # K = 1: 4 slots (2 own, 2 of the buddy's, whose shard may differ); a slot is the
+    # shard plus a header and the metadata area
+    assert d["replicas"] == 1 and d["host_bytes_bound_over_shard"] == 4
+    shards = d["host_bytes_over_shard_all"]
+    assert len(shards) == 8 and d["host_bytes_over_shard"] == max(shards)
+    assert 2 < min(shards) and max(shards) < 8  # buddy shards here < 2 x a rank's own
+    assert d["pinned_bytes_per_rank"] == 0  # CPU: nothing is pinned
+    assert "ratio_on_over_off" in p.stdout and "x shard" in p.stdout
     ir = d["in_run"]
     assert ir["steps_on"] > 0 and ir["steps_off"] > 0
     assert ir["ratio_on_over_off"] == pytest.approx(ir["step_s_on"] / ir["step_s_off"])
