@@ -54,3 +54,15 @@ def test_bench_overhead_prints_and_writes_fields(tmp_path):
     ir = d["in_run"]
     assert ir["steps_on"] > 0 and ir["steps_off"] > 0
     assert ir["ratio_on_over_off"] == pytest.approx(ir["step_s_on"] / ir["step_s_off"])
+
+
+def test_replicas_zero_on_one_node_trains_like_mirror_off(tmp_path, reference):
+    """--deadpool-replicas 0: one node, no buddy, the local snapshot only; the training is
+    bitwise the one without DeadPool."""
+    flags = layout_flags(2, 1, 5, world=2)
+    ref = reference(flags, nodes=1, ppn=2)
+    p, s = launch(tmp_path, flags + ["--deadpool", "--deadpool-replicas", "0"], nodes=1, ppn=2)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
+    assert s["final_state_sha256"] == ref["final_state_sha256"]
+    m = s["mirror"]
+    assert m["host_bytes_per_rank"] == 2 * m["mirror_bytes_per_rank"]
