@@ -59,7 +59,8 @@ def overhead(trainer_argv: Optional[List[str]], rounds: int = 3, nodes: int = 4,
             print(f"round {i + 1}/{rounds} mirror {mode:>3}: median step "
                   f"{statistics.median(times) * 1000:.1f} ms", flush=True)
             if mode == "on":
-                mirror = s.get("mirror", {})
+                mirror = dict(s.get("mirror", {}), **host_memory(rd, nodes * procs_per_node,
+                                                               argv))
                 samples.setdefault("waits", []).append(s["mirror"]["waits"])
     off, on = statistics.median(samples["off"]), statistics.median(samples["on"])
     result = {
@@ -67,6 +68,10 @@ def overhead(trainer_argv: Optional[List[str]], rounds: int = 3, nodes: int = 4,
         "mirror_bytes_per_rank": mirror.get("mirror_bytes_per_rank"),
         "host_bytes_per_rank": mirror.get("host_bytes_per_rank"),
         "waits": sum(samples["waits"]),
+        **{k: mirror.get(k) for k in ("shard_bytes_per_rank", "pinned_bytes_per_rank",
+                                      "replicas", "host_bytes_over_shard",
+                                      "host_bytes_over_shard_all",
+                                      "host_bytes_bound_over_shard")},
         "rounds": rounds, "steps_per_mode": len(samples["off"]), "per_round": per_round,
         "trainer_argv": argv, "nodes": nodes, "procs_per_node": procs_per_node,
     }
@@ -78,11 +83,36 @@ def overhead(trainer_argv: Optional[List[str]], rounds: int = 3, nodes: int = 4,
               f"step_s_off {result['in_run']['step_s_off'] * 1000:.2f} ms | step_s_on "
               f"{result['in_run']['step_s_on'] * 1000:.2f} ms | ratio "
               f"{result['in_run']['ratio_on_over_off']:.4f}", flush=True)
+    print(f"host memory per rank: {result['host_bytes_per_rank']} bytes, at most "
+          f"{result['host_bytes_over_shard']:.3f} x the rank's shard (max shard "
+          f"{result['shard_bytes_per_rank']} bytes); 2(K+1) = "
+          f"{result['host_bytes_bound_over_shard']} for K = {result['replicas']}; pinned "
+          f"{result['pinned_bytes_per_rank']}", flush=True)
     print(f"step_s_off {off * 1000:.2f} ms | step_s_on {on * 1000:.2f} ms | "
           f"ratio_on_over_off {on / off:.4f} | mirror_bytes_per_rank "
           f"{result['mirror_bytes_per_rank']} | host_bytes_per_rank "
           f"{result['host_bytes_per_rank']} | waits {result['waits']}", flush=True)
     return result
+
+
+def host_memory(results_dir: str, world_size: int, argv: List[str]) -> dict:
+    """Host bytes per rank against the shard (every tensor a snapshot holds): own double
+    buffer + K buddy double buffers = 2(K+1) slots, a slot being the shard plus a header and
+    a fixed metadata area (so a little over 2(K+1) x shard; 4 x shard for K = 1)."""
+    ranks = read_rank_results(results_dir, world_size)
+    k = 1
+    if "--deadpool-replicas" in argv:
+        k = int(argv[argv.index("--deadpool-replicas") + 1])
+    ratios = [x["host_bytes"] / x["mirror_tensor_bytes"] for x in ranks
+              if x.get("mirror_tensor_bytes")]
+    return {"shard_bytes_per_rank": max(x.get("mirror_tensor_bytes", 0) for x in ranks),
+            "replicas": k,
+            "pinned_bytes_per_rank": max(x.get("pinned_bytes", 0) for x in ranks),
+            # max over ranks of the rank's host bytes / its own shard (a buddy's shard can
+            # be larger: pipeline stages differ)
+            "host_bytes_over_shard": max(ratios) if ratios else None,
+            "host_bytes_over_shard_all": ratios,
+            "host_bytes_bound_over_shard": 2 * (k + 1)}
 
 
 def in_run(argv: List[str], nodes: int, procs_per_node: int, block: int = 3) -> dict:

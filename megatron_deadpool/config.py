@@ -35,8 +35,8 @@ class DeadpoolConfig:
     resume_dir: Optional[str] = None
 
     def __post_init__(self):
-        if self.replicas < 1:
-            raise ConfigError(f"--deadpool-replicas must be >= 1, got {self.replicas}")
+        if self.replicas < 0:
+            raise ConfigError(f"--deadpool-replicas must be >= 0, got {self.replicas}")
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "progress_timeout_s",
                      "rendezvous_timeout_s", "collective_timeout_s"):
             if getattr(self, name) <= 0:
@@ -136,7 +136,10 @@ def add_deadpool_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--deadpool", action="store_true",
                    help="mirror every rank's state to buddy ranks and hot-swap spares on failure")
     g.add_argument("--deadpool-replicas", type=int, default=d.replicas,
-                   help="buddy copies of each rank's state, on other nodes (default %(default)s)")
+                   help="buddy copies of each rank's state, on other nodes (default "
+                        "%(default)s); 0: only the local double-buffered host snapshot, no "
+                        "buddy and no exchange (not fault tolerant: refused with "
+                        "--spare-nodes; for measuring the device-to-host path)")
     g.add_argument("--deadpool-heartbeat-interval", type=float, default=d.heartbeat_interval_s,
                    help="seconds between heartbeats (default %(default)s)")
     g.add_argument("--deadpool-heartbeat-timeout", type=float, default=d.heartbeat_timeout_s,

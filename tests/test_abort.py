@@ -61,3 +61,19 @@ def test_socket_shutdown_unblocks_pending_gloo_collectives():
     assert all(ok for _, _, ok in res.values()), res
     assert res[0][0] == "raised" and res[1][0] == "raised", res
     assert res[0][1] < 30 and res[1][1] < 30, res
+
+
+def test_nccl_error_handling_never_tears_a_survivor_down():
+    """CleanUpOnly (2): a dead peer's error aborts the communicator and raises; TearDown (1)
+    and SkipCleanUp (3, torch's default) would kill the survivor before the plan arrives."""
+    from megatron_deadpool.recovery.world import nccl_error_handling_env
+
+    env = {}
+    assert nccl_error_handling_env(env) == []
+    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "NCCL_ASYNC_ERROR_HANDLING": "2"}
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "NCCL_ASYNC_ERROR_HANDLING": "1"}
+    assert nccl_error_handling_env(env) == [("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"),
+                                            ("NCCL_ASYNC_ERROR_HANDLING", "1")]
+    assert set(env.values()) == {"2"}
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    assert nccl_error_handling_env(env) == [] and env["NCCL_ASYNC_ERROR_HANDLING"] == "2"

@@ -12,7 +12,7 @@ def test_defaults_valid():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"replicas": 0}, "replicas"),
+    ({"replicas": -1}, "replicas"),
     ({"heartbeat_interval_s": 3.0, "heartbeat_timeout_s": 5.0}, "twice"),
     ({"heartbeat_timeout_s": 400.0}, "soft < hard"),
     ({"rendezvous_timeout_s": 700.0}, "collective-timeout"),
@@ -47,3 +47,26 @@ def test_unrebindable_configs_are_refused():
     assert len(unsupported_features([bad])) == 4
     with pytest.raises(UnsupportedConfigError, match="userbuffers.*CUDA graphs|CUDA graphs"):
         check_supported([bad])
+
+
+def test_precision_aware_optimizer_is_refused_at_attach():
+    """Its state accessors return copies: a restore would write into temporaries."""
+    from types import SimpleNamespace as NS
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from megatron_deadpool.errors import UnsupportedConfigError
+    from megatron_deadpool.megatron.support import check_supported, unsupported_optimizer
+
+    def dist_opt(precision_aware):
+        opt = DistributedOptimizer.__new__(DistributedOptimizer)  # only its config is read
+        opt.config = NS(use_precision_aware_optimizer=precision_aware)
+        return opt
+
+    model = [NS(config=None, ddp_config=None)]
+    chained = NS(chained_optimizers=[dist_opt(False), dist_opt(True)])
+    assert unsupported_optimizer(dist_opt(False)) == []
+    assert len(unsupported_optimizer(chained)) == 1
+    check_supported(model, dist_opt(False))
+    with pytest.raises(UnsupportedConfigError, match="precision-aware optimizer"):
+        check_supported(model, chained)

@@ -127,6 +127,7 @@ def test_supported_config_passes():
     (dict(use_megatron_fsdp=True), "--use-megatron-fsdp"),
     (dict(use_torch_fsdp2=True), "--use-torch-fsdp2"),
     (dict(dataloader_type="external"), "--dataloader-type external"),
+    (dict(use_precision_aware_optimizer=True), "--use-precision-aware-optimizer"),
 ])
 def test_each_refusal_names_its_flag(kw, needle):
     found = lm_rules.unsupported_args(_args(**kw))
@@ -159,6 +160,9 @@ def test_unsupported_argv_matches_the_parsed_rules():
                                "--num-layers-per-virtual-pipeline-stage", "2",
                                "--context-parallel-size", "2"])
     assert len(bad) == 3 and "virtual pipeline" in bad[1]
+    assert lm_rules.unsupported_argv(["--use-distributed-optimizer",
+                                      "--use-precision-aware-optimizer"]) == [
+        lm_rules.unsupported_args(_args(use_precision_aware_optimizer=True))[0]]
 
 
 def test_launch_refuses_before_any_worker_starts(mlm_tree, tmp_path):

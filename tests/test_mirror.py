@@ -43,7 +43,26 @@ def test_bench_overhead_prints_and_writes_fields(tmp_path):
         assert k in d, k
     assert d["ratio_on_over_off"] == pytest.approx(d["step_s_on"] / d["step_s_off"])
     assert d["host_bytes_per_rank"] <= 4 * d["mirror_bytes_per_rank"]
-    assert "ratio_on_over_off" in p.stdout
+    # K = 1: 4 slots (2 own, 2 of the buddy's, whose shard may differ); a slot is the
+    # shard plus a header and the metadata area
+    assert d["replicas"] == 1 and d["host_bytes_bound_over_shard"] == 4
+    shards = d["host_bytes_over_shard_all"]
+    assert len(shards) == 8 and d["host_bytes_over_shard"] == max(shards)
+    assert 2 < min(shards) and max(shards) < 8  # buddy shards here < 2 x a rank's own
+    assert d["pinned_bytes_per_rank"] == 0  # CPU: nothing is pinned
+    assert "ratio_on_over_off" in p.stdout and "x shard" in p.stdout
     ir = d["in_run"]
     assert ir["steps_on"] > 0 and ir["steps_off"] > 0
     assert ir["ratio_on_over_off"] == pytest.approx(ir["step_s_on"] / ir["step_s_off"])
+
+
+def test_replicas_zero_on_one_node_trains_like_mirror_off(tmp_path, reference):
+    """--deadpool-replicas 0: one node, no buddy, the local snapshot only; the training is
+    bitwise the one without DeadPool."""
+    flags = layout_flags(2, 1, 5, world=2)
+    ref = reference(flags, nodes=1, ppn=2)
+    p, s = launch(tmp_path, flags + ["--deadpool", "--deadpool-replicas", "0"], nodes=1, ppn=2)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
+    assert s["final_state_sha256"] == ref["final_state_sha256"]
+    m = s["mirror"]
+    assert m["host_bytes_per_rank"] == 2 * m["mirror_bytes_per_rank"]

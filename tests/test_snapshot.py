@@ -62,3 +62,23 @@ def test_meta_over_capacity_is_an_error():
     slot = snapshot.alloc_slot(layout.total_bytes, pin=False)
     with pytest.raises(MirrorCorruptError, match="capacity"):
         snapshot.seal(slot, layout, 0, 1, {"blob": b"x" * 1000})
+
+
+def test_chunked_checksum_on_threads_catches_a_flip_in_any_chunk(monkeypatch):
+    """A slot of several checksum chunks: the threads' result equals one thread's, and a
+    flipped byte in a late chunk is refused."""
+    monkeypatch.setattr(snapshot, "CRC_CHUNK", 256)
+    named = [("a", torch.arange(1000, dtype=torch.float32))]
+    layout = snapshot.Layout(named, 1 << 10)
+    slot = snapshot.alloc_slot(layout.total_bytes, pin=False)
+    snapshot.copy_tensors_in(slot, layout, [t for _, t in named])
+    snapshot.seal(slot, layout, 0, 1, {"iteration": 1})
+    threaded = snapshot.read_header(slot)["crc"]
+    monkeypatch.setattr(snapshot, "CRC_THREADS", 1)
+    assert snapshot._crc(slot, layout.tensor_end, snapshot.read_header(slot)["meta_len"]) \
+        == threaded
+    monkeypatch.setattr(snapshot, "CRC_THREADS", 4)
+    snapshot.verify(slot, 0, 1, layout)
+    slot[layout.entries[0].offset + 3900] ^= 0x01  # chunk 15 of 16
+    with pytest.raises(MirrorCorruptError, match="checksum"):
+        snapshot.verify(slot, 0, 1, layout)

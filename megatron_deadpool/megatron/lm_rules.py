@@ -54,6 +54,9 @@ def unsupported_args(args) -> List[str]:
         (g("nccl_ub"), "--use-nccl-ub (NCCL user buffers)"),
         (g("use_megatron_fsdp"), "--use-megatron-fsdp"),
         (g("use_torch_fsdp2"), "--use-torch-fsdp2"),
+        (g("use_precision_aware_optimizer"), "--use-precision-aware-optimizer (its main "
+         "params and moments are read through copies, so a restore could not write them "
+         "back)"),
     ]
     return [why for bad, why in rules if bad]
 
@@ -68,7 +71,7 @@ def unsupported_argv(argv: List[str]) -> List[str]:
                  "--overlap-grad-reduce", "--overlap-param-gather", "--async-save",
                  "--perform-rl-step", "--hybrid-context-parallel", "--fake-process-group",
                  "--multiple-validation-sets", "--tp-comm-overlap", "--use-megatron-fsdp",
-                 "--use-torch-fsdp2"):
+                 "--use-torch-fsdp2", "--use-precision-aware-optimizer"):
         p.add_argument(flag, action="store_true")
     p.add_argument("--use-nccl-ub", action="store_true", dest="nccl_ub")
     for flag in ("--context-parallel-size", "--expert-model-parallel-size",

@@ -36,21 +36,29 @@ def optimizer_state_empty(optimizer) -> bool:
     return all(not opt.optimizer.state for opt in distributed_optimizers(optimizer))
 
 
+def _per_param_step(inner) -> bool:
+    """torch Adam/AdamW keep ``step`` per parameter; TE/apex FusedAdam per param group."""
+    return isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
+
+
 def shard_tensors(optimizer, placeholders: bool = False) -> List[Tuple[str, torch.Tensor]]:
     """(name, tensor) for every fp32 main param, exp_avg, exp_avg_sq and step of this rank's
     shard, in a canonical order. Before the first step the optimizer state does not exist
-    yet: with ``placeholders`` the moments and step are stood in for by the zeros the first
-    step will create (torch Adam's lazy initialization), so the snapshot layout is already
-    the steady-state one; without, only the main params are yielded."""
+    yet: with ``placeholders`` the moments (and, for torch Adam, the per-parameter step) are
+    stood in for by the zeros the first step will create (lazy initialization), so the
+    snapshot layout is already the steady-state one; without, only the main params are
+    yielded. A step kept per param group is in ``group_state``."""
     out = []
     for oi, opt in enumerate(distributed_optimizers(optimizer)):
+        per_param_step = _per_param_step(opt.optimizer)
         for pi, model_param in enumerate(_model_params_in_shard_order(opt)):
             tensors = opt._get_main_param_and_optimizer_states(model_param)
             if placeholders and len(tensors) == 1:
                 main = tensors["param"]
                 tensors = {"param": main, "exp_avg": torch.zeros_like(main),
-                           "exp_avg_sq": torch.zeros_like(main),
-                           "step": torch.tensor(0.0, dtype=torch.float32)}
+                           "exp_avg_sq": torch.zeros_like(main)}
+                if per_param_step:
+                    tensors["step"] = torch.tensor(0.0, dtype=torch.float32)
             for key in STATE_KEYS:
                 t = tensors.get(key)
                 if isinstance(t, torch.Tensor):
@@ -62,6 +70,47 @@ def reset_optimizer_state(optimizer) -> None:
     """Back to the state before the first step: torch Adam re-creates it lazily."""
     for opt in distributed_optimizers(optimizer):
         opt.optimizer.state.clear()
+
+
+# Per-group fields the optimizer itself advances (TE/apex FusedAdam: Adam's step). The
+# scheduler's fields (lr, weight_decay) are restored through the scheduler.
+GROUP_STATE_KEYS = ("step",)
+
+
+def _scalar(v):
+    if isinstance(v, torch.Tensor):
+        return {"tensor": v.item()}
+    return v
+
+
+def group_state(optimizer) -> List[List[dict]]:
+    """Per inner optimizer, per param group: the fields in GROUP_STATE_KEYS it holds (plain
+    Python values, for the snapshot metadata)."""
+    return [[{k: _scalar(g[k]) for k in GROUP_STATE_KEYS if k in g}
+             for g in opt.optimizer.param_groups]
+            for opt in distributed_optimizers(optimizer)]
+
+
+def load_group_state(optimizer, state: List[List[dict]]) -> None:
+    """Put ``group_state`` back; a field the snapshot lacks is removed (a fresh optimizer
+    never stepped)."""
+    opts = distributed_optimizers(optimizer)
+    if len(state) != len(opts) or any(len(s) != len(o.optimizer.param_groups)
+                                      for s, o in zip(state, opts)):
+        raise ValueError("snapshot param groups do not match the optimizer's")
+    for saved_groups, opt in zip(state, opts):
+        for saved, g in zip(saved_groups, opt.optimizer.param_groups):
+            for k in GROUP_STATE_KEYS:
+                v = saved.get(k)
+                if v is None:
+                    g.pop(k, None)
+                elif isinstance(v, dict):
+                    if isinstance(g.get(k), torch.Tensor):
+                        g[k].fill_(v["tensor"])
+                    else:
+                        g[k] = torch.tensor(v["tensor"])
+                else:
+                    g[k] = v
 
 
 def unreplicated_tensors(model_chunks: Sequence[torch.nn.Module], dp_size: int
@@ -113,6 +162,9 @@ def rank_digest(model_chunks: Iterable[torch.nn.Module], optimizer,
     for name, t in shard_tensors(optimizer):
         h.update(name.encode())
         h.update(_tensor_bytes(t))
+    groups = group_state(optimizer)
+    if any(g for gs in groups for g in gs):  # per-group step (FusedAdam); torch Adam: none
+        h.update(repr(groups).encode())
     return h.hexdigest()
 
 

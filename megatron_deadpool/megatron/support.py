@@ -29,9 +29,28 @@ def unsupported_features(model_chunks: Sequence) -> List[str]:
     return sorted(set(found))
 
 
-def check_supported(model_chunks: Sequence) -> None:
+def unsupported_optimizer(optimizer) -> List[str]:
+    """Optimizer settings whose live state DeadPool cannot write back in place."""
+    from .shard import distributed_optimizers
+
+    found = []
+    for opt in distributed_optimizers(optimizer):
+        cfg = getattr(opt, "config", None)
+        if getattr(cfg, "use_precision_aware_optimizer", False):
+            # Its _get_main_param_and_optimizer_states returns unscaled copies
+            # (get_unscaled_state): a snapshot would read them, but a restore would write
+            # into temporaries and leave the optimizer's real state untouched.
+            found.append("the precision-aware optimizer (--use-precision-aware-optimizer): "
+                         "its main params and moments are returned as copies, so a restore "
+                         "could not write them back")
+    return sorted(set(found))
+
+
+def check_supported(model_chunks: Sequence, optimizer=None) -> None:
     bad = unsupported_features(model_chunks)
+    if optimizer is not None:
+        bad += unsupported_optimizer(optimizer)
     if bad:
         raise UnsupportedConfigError(
-            "--deadpool cannot rebind the process groups of: " + "; ".join(bad)
+            "--deadpool does not support: " + "; ".join(bad)
             + ". Disable these features or run without --deadpool.")

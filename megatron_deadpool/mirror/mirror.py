@@ -14,7 +14,6 @@ flight, and job k must commit before step k+1 may overwrite the state it reads.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -23,36 +22,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import MirrorCorruptError, MirrorError
-from . import placement, snapshot
+from . import d2h, placement, snapshot
+from .threads import lower_thread_priority
 from .transport import MirrorTransport
 
 TensorsFn = Callable[[], Sequence[Tuple[str, torch.Tensor]]]
-
-
-MIRROR_NICE = 10  # the mirror yields the CPU to training (data loading, kernel launches)
-
-
-def lower_thread_priority(tid: int, nice: int = MIRROR_NICE) -> None:
-    """Raise one thread's niceness (Linux: setpriority applies per thread id). Allowed for
-    unprivileged processes; a no-op where unsupported."""
-    try:
-        cur = os.getpriority(os.PRIO_PROCESS, tid)
-        os.setpriority(os.PRIO_PROCESS, tid, max(cur, nice))
-    except (OSError, AttributeError):
-        pass
-
-
-def native_thread_ids(name: str) -> set:
-    """Native ids of this process's threads called ``name`` (Linux /proc)."""
-    out = set()
-    try:
-        for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() == name:
-                    out.add(int(tid))
-    except OSError:
-        pass
-    return out
 
 
 class Mirror:
@@ -86,7 +60,11 @@ class Mirror:
         self._q: "queue.Queue" = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
-        self._stream = torch.cuda.Stream() if self.pin else None
+        # Only the own slots receive D2H copies: they alone are pinned (buddy copies arrive
+        # over the CPU transport). One side stream; the main thread only records an event.
+        self._copier = d2h.Copier(torch.cuda.Stream() if self.pin else None)
+        self._step_done = torch.cuda.Event() if self.pin else None
+        self._runs: Optional[List[d2h.Run]] = None
         self._thread = threading.Thread(target=self._loop, name="deadpool-mirror", daemon=True)
         self._thread.start()
 
@@ -98,10 +76,13 @@ class Mirror:
         """(Re)connect to a generation: new transport and buddy placement. Receive buffers are
         reallocated lazily at the next exchange."""
         self.transport = transport
+        self._sizes: Optional[List[int]] = None
+        if self.replicas == 0:  # the local double-buffered snapshot only
+            self.buddies, self.holds = [], []
+            return
         b = placement.buddies(rank_to_node, self.replicas)
         self.buddies = b[self.rank]
         self.holds = placement.holders_of(b)[self.rank]
-        self._sizes: Optional[List[int]] = None
 
     def ensure_layout(self) -> snapshot.Layout:
         # The metadata capacity is fixed (not measured) so that a promoted spare computes
@@ -109,6 +90,7 @@ class Mirror:
         if self.layout is None or self._stale:
             named = list(self._tensors_fn())
             self._tensors = [t for _, t in named]
+            self._runs = None
             self._stale = False
             layout = snapshot.Layout(named, self.meta_capacity)
             if self.layout is not None and layout.layout_id == self.layout.layout_id:
@@ -126,28 +108,35 @@ class Mirror:
         fetch them again before the next copy in or out."""
         self._stale = True
 
+    def _slots(self) -> List[torch.Tensor]:
+        return list(self.own) + [b for bufs in self.recv.values() for b in bufs]
+
     @property
     def host_bytes(self) -> int:
-        return sum(b.numel() for b in self.own) + sum(
-            b.numel() for bufs in self.recv.values() for b in bufs)
+        return sum(b.numel() for b in self._slots())
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(b.numel() for b in self._slots() if b.is_pinned())
+
+    def copy_stats(self) -> dict:
+        """Copies issued per snapshot, bytes and side-stream seconds (all snapshots)."""
+        c = self._copier
+        return {"copies": c.copies, "bytes": c.bytes, "gpu_copy_s": c.gpu_copy_s,
+                "runs": len(self._runs) if self._runs is not None else None}
 
     # ------------------------------------------------------------------ steady state
     def begin(self, iteration: int, meta: dict) -> None:
         """Start snapshot ``iteration`` (called right after its optimizer step)."""
-        layout = self.ensure_layout()
-        idx = iteration % 2
-        self.own_iter[idx] = -1  # this slot is being rewritten
-        event = None
-        if self._stream is not None:
-            event = torch.cuda.Event()
-            step_done = torch.cuda.Event()
-            step_done.record()
-            with torch.cuda.stream(self._stream):
-                self._stream.wait_event(step_done)
-                snapshot.copy_tensors_in(self.own[idx], layout, self._tensors, non_blocking=True)
-                event.record(self._stream)
+        self.ensure_layout()
+        if self._runs is None:
+            self._runs = d2h.plan(self.layout, self._tensors)
+        self.own_iter[iteration % 2] = -1  # this slot is being rewritten
+        if self._step_done is not None:
+            # Reused: the job of the previous record is done (wait() before every step).
+            self._step_done.record()
         self._idle.clear()
-        self._q.put(("snapshot", iteration, meta, event))
+        self._q.put(("snapshot", iteration, meta, self._step_done))
 
     def wait(self) -> None:
         """Block until the in-flight job is done (before the next step mutates the state).
@@ -169,6 +158,8 @@ class Mirror:
 
     def _loop(self) -> None:
         lower_thread_priority(threading.get_native_id())
+        if self._copier.stream is not None:
+            torch.cuda.set_device(self._copier.stream.device)
         while True:
             item = self._q.get()
             if item is None:
@@ -188,10 +179,7 @@ class Mirror:
     def _snapshot_job(self, iteration: int, meta: dict, event) -> None:
         idx = iteration % 2
         slot = self.own[idx]
-        if event is not None:
-            event.synchronize()
-        else:
-            snapshot.copy_tensors_in(slot, self.layout, self._tensors)
+        self._copier.copy(slot, self._runs, event)
         snapshot.seal(slot, self.layout, self.rank, iteration, meta, self.job)
         self.own_iter[idx] = iteration
         self._maybe_fault(iteration)
@@ -214,14 +202,19 @@ class Mirror:
         for o in self.holds:
             old = self.recv.get(o)
             if old is None or old[0].numel() != self._sizes[o]:
-                self.recv[o] = [snapshot.alloc_slot(self._sizes[o], self.pin) for _ in range(2)]
+                # Not pinned: buddy copies travel over the CPU transport, never to a device.
+                self.recv[o] = [snapshot.alloc_slot(self._sizes[o], False) for _ in range(2)]
                 self.recv_iter[o] = [-1, -1]
         # Copies of owners this rank no longer holds (the placement changed) stay valid, and
         # restorable, until a newer iteration commits (see _exchange_and_commit).
 
     def _exchange_and_commit(self, iteration: int, skip=frozenset()) -> None:
         """Send this rank's slot to its buddies, receive its owners' slots, verify, commit.
-        ``skip``: (owner, holder) pairs whose copy of ``iteration`` is already in place."""
+        ``skip``: (owner, holder) pairs whose copy of ``iteration`` is already in place.
+        Without replicas the local copy alone commits (no transport call)."""
+        if self.replicas == 0:
+            self.committed = iteration
+            return
         idx = iteration % 2
         self._alloc_recv()
         owners = [o for o in self.holds if (o, self.rank) not in skip]

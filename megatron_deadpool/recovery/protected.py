@@ -16,7 +16,8 @@ from ..megatron import shard
 from ..megatron import train_state as ts
 from ..megatron.support import check_supported
 from ..mirror import persist
-from ..mirror.mirror import Mirror, lower_thread_priority, native_thread_ids
+from ..mirror.mirror import Mirror
+from ..mirror.threads import lower_thread_priority, native_thread_ids
 from ..mirror.transport import GlooTransport
 from . import restore
 from .quiet import CollectiveSuppressor
@@ -52,7 +53,7 @@ class Protected:
 
         if self._suppressor is not None:
             self._suppressor.stop()
-        check_supported(model)
+        check_supported(model, optimizer)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.train_state = train_state
         self._with_cuda = handle.device.type == "cuda"
@@ -111,6 +112,7 @@ class Protected:
         meta = ts.capture(iteration, self.train_state, self.scheduler, self.optimizer,
                           with_cuda=self._with_cuda)
         meta["optimizer_state_empty"] = shard.optimizer_state_empty(self.optimizer)
+        meta["param_groups"] = shard.group_state(self.optimizer)
         return meta
 
     # ---------------------------------------------------------------- recovery
@@ -140,6 +142,7 @@ class Protected:
         return chosen
 
     def _apply(self, meta: dict) -> None:
+        shard.load_group_state(self.optimizer, meta["param_groups"])
         ts.apply(meta, self.train_state, self.scheduler, self.optimizer)
         self.iteration = meta["iteration"]
         self.restored_meta = meta
@@ -162,8 +165,10 @@ class Protected:
         m.wait()
         return {"mirror_waits": m.waits, "mirror_wait_s": m.wait_s, "mirror_jobs": m.jobs,
                 "mirror_job_s": m.job_s, "bench_modes": self.bench_modes,
-                "host_bytes": m.host_bytes,
+                "host_bytes": m.host_bytes, "pinned_bytes": m.pinned_bytes,
                 "mirror_bytes": m.layout.total_bytes if m.layout else 0,
+                "mirror_tensor_bytes": m.layout.tensor_bytes if m.layout else 0,
+                "mirror_copies": m.copy_stats(),
                 "committed": m.committed}
 
     def close(self) -> None:

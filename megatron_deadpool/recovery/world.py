@@ -10,12 +10,41 @@ the lock keeps it from racing with ``init_process_group`` publishing a new live 
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from datetime import timedelta
 from typing import Callable, Optional
 
 from . import abort as ab
+
+log = logging.getLogger(__name__)
+
+# TORCH_NCCL_ASYNC_ERROR_HANDLING, read per process group by ProcessGroupNCCL (torch 2.13,
+# ProcessGroupNCCL.hpp, enum ErrorHandlingMode): 0 NoHandling; 1 TearDown (abort the
+# communicators, then take the process down); 2 CleanUpOnly (abort the communicators and
+# raise in the thread that waits on the work; the process lives); 3 SkipCleanUp (the default
+# when unset: take the process down without aborting the communicators). When a peer dies,
+# the watchdog of every survivor sees the NCCL error or the timeout: under 1 or 3 it kills
+# the survivor before the recovery plan arrives. 2 is the value under which a dead peer never
+# takes a survivor down: the blocked collective raises, the main thread reaches the recovery
+# boundary, and DeadPool's own abort (abort.py) frees whatever is still pending. A value of 1
+# or 3 set by the user is overridden, with a warning. (TORCH_NCCL_ENABLE_MONITORING's heartbeat
+# monitor still ends a process whose watchdog itself hangs for TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC.)
+NCCL_ASYNC_ERROR_HANDLING = "2"
+_NCCL_ERROR_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
+
+
+def nccl_error_handling_env(environ) -> list:
+    """Set CleanUpOnly in ``environ`` (both spellings torch reads); returns the
+    (variable, old value) pairs that were overridden with another value."""
+    overridden = []
+    for var in _NCCL_ERROR_VARS:
+        old = environ.get(var)
+        if old is not None and old.strip() != NCCL_ASYNC_ERROR_HANDLING:
+            overridden.append((var, old))
+        environ[var] = NCCL_ASYNC_ERROR_HANDLING
+    return overridden
 
 
 class World:
@@ -42,7 +71,9 @@ class World:
         import torch.distributed as dist
 
         if self.backend == "nccl":
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+            for var, old in nccl_error_handling_env(os.environ):
+                log.warning("%s=%s would let a dead peer take this process down; using %s "
+                            "(CleanUpOnly)", var, old, NCCL_ASYNC_ERROR_HANDLING)
         dist.init_process_group(backend=self.backend, store=dist.PrefixStore(f"gen{gen}/", store),
                                 rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=self.rendezvous_timeout_s))

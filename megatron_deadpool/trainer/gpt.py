@@ -53,6 +53,10 @@ def build(args, device):
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type="learned_absolute",
     )
+    if args.bf16:  # as Megatron-LM's get_model: bf16 everywhere (norms too), fp32 outputs
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     if device.type == "cuda":
         model.cuda(device)
     ddp_config = DistributedDataParallelConfig(

@@ -1,0 +1,100 @@
+"""A single-rank megatron-core job inside one process (world size 1, gloo, CPU mode), for
+tests that drive the mirror and restore paths directly. CPU mode is process-global: import
+this only in a subprocess (see ``run_solo``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--train-iters", "100", "--lr", "1e-2", "--mock-data",
+        "--vocab-size", "64", "--device", "cpu", "--hidden-dropout", "0.1"]
+
+
+def run_solo(script: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run ``script`` (Python source) in a fresh process with tests/ and the repo on the
+    path."""
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def start(argv=None):
+    """World of one, model parallel groups, model, optimizer, scheduler, train state."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_deadpool.megatron import cpu_mode
+    from megatron_deadpool.trainer import gpt
+    from megatron_deadpool.trainer.args import parse_args
+
+    cpu_mode.enable()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    args = parse_args(TINY + list(argv or []))
+    model, optimizer, scheduler = gpt.build(args, torch.device("cpu"))
+    state = SimpleNamespace(iteration=0, consumed_train_samples=0)
+    return args, model, optimizer, scheduler, state
+
+
+def step(args, model, optimizer, scheduler, state) -> None:
+    import torch
+
+    from megatron_deadpool.trainer import gpt
+
+    gpt.train_step(args, state, model, optimizer, scheduler, torch.device("cpu"), None)
+    state.iteration += 1
+    state.consumed_train_samples += args.global_batch_size
+
+
+class SoloTransport:
+    """The mirror transport of a world of one: nothing to send, every vote is one's own."""
+
+    rank, world_size = 0, 1
+
+    def exchange(self, sends, recvs, timeout_s=None):
+        assert not sends and not recvs, (sends, recvs)
+
+    def all_ok(self, ok, timeout_s=None):
+        return ok
+
+    def all_gather_int(self, value, timeout_s=None):
+        return [value]
+
+    def all_gather_json(self, obj, timeout_s=None):
+        return [obj]
+
+
+def protect(model, optimizer, scheduler, state, replicas: int = 0):
+    """``Protected.attach`` as the runtime calls it, for a world of one (one node)."""
+    import torch
+
+    from megatron_deadpool.recovery.protected import Protected
+
+    p = Protected(replicas=replicas, collective_timeout_s=60)
+    handle = SimpleNamespace(rank=0, device=torch.device("cpu"))
+    plan = SimpleNamespace(node_of_rank=[0])
+    p.attach(model, optimizer, scheduler, state, handle, plan, lambda it, phase: None)
+    return p
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

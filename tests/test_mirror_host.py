@@ -1,0 +1,143 @@
+"""The mirror's host side, in one process: which slots are pinned, how the snapshot copies
+are planned and issued, the local-only mode (--deadpool-replicas 0)."""
+
+import threading
+
+import pytest
+import torch
+
+from megatron_deadpool.mirror import d2h, snapshot
+from megatron_deadpool.mirror.mirror import Mirror
+
+
+class _Transport:
+    """Two ranks; records every call. The buddy's slot has the same size as ours."""
+
+    def __init__(self):
+        self.calls = []
+
+    def all_gather_int(self, v, timeout_s=None):
+        self.calls.append("all_gather_int")
+        return [v, v]
+
+    def exchange(self, sends, recvs, timeout_s=None):
+        self.calls.append("exchange")
+        for (_, src), (_, dst) in zip(sends, recvs):
+            dst.copy_(src)  # the buddy's copy looks like ours (same owner id is not checked)
+
+    def all_ok(self, ok, timeout_s=None):
+        self.calls.append("all_ok")
+        return ok
+
+
+def _named():
+    flat = torch.arange(64, dtype=torch.float32)  # 3 views, 64-byte multiples, adjacent
+    return [("a", flat[:16]), ("b", flat[16:48]), ("c", flat[48:]),
+            ("d", torch.ones(5, dtype=torch.bfloat16)), ("e", torch.arange(6.0).t()),
+            ("step", torch.tensor(3.0))]
+
+
+def test_only_the_own_slots_are_pinned(monkeypatch):
+    """The own double buffer receives D2H copies (pinned); buddy receive buffers never
+    touch a device (not pinned): 2 pinned slots per rank, not 2(K+1)."""
+    pins = []
+    real = snapshot.alloc_slot
+
+    def alloc(nbytes, pin):
+        pins.append(pin)
+        return real(nbytes, False)  # this machine may have no pinned allocator
+
+    monkeypatch.setattr(snapshot, "alloc_slot", alloc)
+    m = Mirror(0, replicas=1, meta_capacity=1 << 12)
+    try:
+        m.pin = True  # as with CUDA present
+        m.set_sources(_named)
+        m.transport, m.buddies, m.holds, m._sizes = _Transport(), [1], [1], None
+        m.ensure_layout()
+        assert pins == [True, True]
+        m._alloc_recv()
+        assert pins == [True, True, False, False]
+    finally:
+        m.close()
+
+
+def test_adjacent_tensors_are_one_copy_and_the_slot_is_exact():
+    named = _named()
+    layout = snapshot.Layout(named, 1 << 12)
+    runs = d2h.plan(layout, [t for _, t in named])
+    # a, b, c share one storage back to back (and the slot): one copy; d, e, step: one each
+    assert [r.nbytes for r in runs] == [256, 10, 24, 4]
+    slot = snapshot.alloc_slot(layout.total_bytes, False)
+    d2h.Copier().copy(slot, runs)
+    ref = snapshot.alloc_slot(layout.total_bytes, False)
+    snapshot.copy_tensors_in(ref, layout, [t for _, t in named])
+    assert torch.equal(slot, ref)
+
+
+def test_views_that_are_not_adjacent_in_the_slot_stay_separate():
+    flat = torch.arange(10, dtype=torch.float32)  # 16 + 24 bytes: the slot pads to 64
+    named = [("a", flat[:4]), ("b", flat[4:])]
+    runs = d2h.plan(snapshot.Layout(named, 64), [t for _, t in named])
+    assert [r.nbytes for r in runs] == [16, 24]
+
+
+def test_snapshot_copies_run_on_the_mirror_thread(monkeypatch):
+    threads = []
+    real = d2h.Copier.copy
+
+    def spy(self, slot, runs, step_done=None):
+        threads.append(threading.current_thread().name)
+        return real(self, slot, runs, step_done)
+
+    monkeypatch.setattr(d2h.Copier, "copy", spy)
+    m = Mirror(0, replicas=0, meta_capacity=1 << 12)
+    try:
+        m.set_sources(_named)
+        m.set_topology(_Transport(), ["node0"])
+        m.begin(1, {"iteration": 1})
+        m.wait()
+        assert threads == ["deadpool-mirror"]
+        assert m.copy_stats()["runs"] == 4 and m.copy_stats()["copies"] == 4
+    finally:
+        m.close()
+
+
+def test_replicas_zero_keeps_the_local_double_buffer_only():
+    """No buddy, no exchange, no collective: each snapshot commits locally and restores."""
+    t = _Transport()
+    named = _named()
+    m = Mirror(0, replicas=0, meta_capacity=1 << 12)
+    try:
+        m.set_sources(lambda: named)
+        m.set_topology(t, ["node0"])  # one node: fine without replicas
+        for it in (1, 2, 3):
+            m.begin(it, {"iteration": it})
+            m.wait()
+            assert m.committed == it
+        assert t.calls == [] and m.buddies == [] and m.holds == [] and m.recv == {}
+        assert m.host_bytes == 2 * m.layout.total_bytes
+        assert m.inventory() == {"own": [2, 3], "committed": 3, "copies": {}}
+        before = [x.clone() for _, x in named]
+        for _, x in named:
+            x.mul_(0)
+        meta = m.restore_local(3)
+        assert meta == {"iteration": 3}
+        assert all(torch.equal(x, b) for (_, x), b in zip(named, before))
+    finally:
+        m.close()
+
+
+def test_replicas_zero_config_and_spares_refused():
+    from megatron_deadpool.config import DeadpoolConfig
+    from megatron_deadpool.errors import ConfigError
+    from megatron_deadpool.launch.options import LaunchOptions, validate
+
+    assert DeadpoolConfig(replicas=0).replicas == 0
+    with pytest.raises(ConfigError, match="replicas"):
+        DeadpoolConfig(replicas=-1)
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
+            "--train-iters", "3", "--mock-data", "--deadpool", "--deadpool-replicas", "0"]
+    validate(LaunchOptions(nodes=1, procs_per_node=1, trainer_argv=argv))
+    with pytest.raises(ConfigError, match="--deadpool-replicas 0.*--spare-nodes"):
+        validate(LaunchOptions(nodes=2, procs_per_node=1, spare_nodes=1, trainer_argv=argv))
