@@ -100,6 +100,7 @@ class DeadpoolConfig:
                              heartbeat_interval_s=self.heartbeat_interval_s,
                              starting_spare_wait_s=min(30.0, self.rendezvous_timeout_s / 2),
                              max_local_restarts=self.max_local_restarts,
+                             local_restart_wait_s=self.rendezvous_timeout_s / 2,
                              spare_wait_s=(self.spare_wait_timeout_s
                                            if self.on_no_spare == "wait" else 0.0))
 
@@ -119,6 +120,9 @@ class DeciderConfig:
     # A rank whose process crashed on a healthy node is restarted in place (up to this many
     # times per rank) instead of taking a spare node.
     max_local_restarts: int = 0
+    # A process restarted in place starts cold (imports, model build): the plan waits this
+    # long for it to register before the rank takes a spare instead.
+    local_restart_wait_s: float = 60.0
     # --deadpool-on-no-spare wait: a failure with no spare waits this long for a spare to
     # join (``deadpool launch --join-as-spare``); 0: stop at once.
     spare_wait_s: float = 0.0

@@ -233,7 +233,7 @@ class Decider:
         starting = [lid for lid in self.local.reserved.values()
                     if self.procs[lid].state == ProcState.STARTING]
         return bool(starting) and self.clock() - self.first_dead_t < \
-            self.config.starting_spare_wait_s
+            self.config.local_restart_wait_s
 
     def _agent_alive(self, node: int) -> bool:
         last = self._agent_hb.get(node)
