@@ -18,7 +18,8 @@ setup(
     # torch: install torch==2.13.0 first on CPU machines (a bare `torch` pulls a CUDA build).
     install_requires=["torch", "megatron-core==0.16.1", "numpy"],
     extras_require={
-        "test": ["pytest>=7"],
+        "test": ["pytest>=7", "matplotlib"],
+        "report": ["matplotlib"],  # deadpool report
         # What Megatron-LM's own training code (pretrain_gpt.py, megatron/training) imports
         # beyond megatron-core; pybind11 builds its dataset helper when no prebuilt one fits.
         "megatron-lm": ["six", "regex", "pyyaml", "einops", "tqdm", "pydantic", "pybind11",

@@ -142,6 +142,7 @@ class Deadpool:
         last rank, appends ``loss`` to the results' loss log (read by the launch summary)."""
         if self._runtime is not None:
             self._runtime.after_step(iteration)
+            self._runtime.sink.emit("step", rank=self.rank, iteration=iteration)  # for report
         if loss is not None and self.results_dir and self.rank == self.world_size - 1:
             if self._loss_log is None:
                 self._loss_log = open(os.path.join(self.results_dir, "losses.jsonl"), "a")

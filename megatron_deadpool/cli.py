@@ -102,6 +102,13 @@ def _add_demo_and_soak(sub) -> None:
     sp.add_argument("--gap", type=int, default=10, help="iterations between faults (+-2)")
     sp.add_argument("--summary-json", default=None, metavar="FILE")
 
+    rp = sub.add_parser("report", help="draw a run's timeline (ranks, iterations, recovery "
+                        "phases, promoted spares) and its loss against the failure-free run")
+    rp.add_argument("events", metavar="EVENTS.jsonl", help="written by --deadpool-events")
+    rp.add_argument("--summary", default=None, metavar="S.json",
+                    help="a launch or demo summary (losses, faults, reference losses)")
+    rp.add_argument("-o", "--output", default="timeline.png", metavar="PNG")
+
 
 def _add_bench(sub) -> None:
     bp = sub.add_parser("bench", help="benchmarks")
@@ -120,33 +127,37 @@ def _add_bench(sub) -> None:
     br.add_argument("--repeats", type=int, default=1)
 
 
+def _run_launch(args, rest: List[str]) -> int:
+    from .launch.launcher import LaunchOptions, run
+
+    opts = LaunchOptions(
+        nodes=args.nodes, procs_per_node=args.procs_per_node,
+        spare_nodes=args.spare_nodes, node_rank=args.node_rank,
+        master_addr=args.master_addr, master_port=args.master_port,
+        summary_json=args.summary_json, script=args.script, inject=args.inject,
+        results_dir=args.results_dir, trainer_argv=rest, device=args.device,
+        join_as_spare=args.join_as_spare)
+    summary = run(opts)
+    if summary["ok"] and args.join_as_spare:
+        print(f"[launch] spare node {summary['node']} left the job: "
+              f"{summary['reason']}", flush=True)
+        return 0
+    if summary["ok"]:
+        print(f"[launch] completed {summary['completed_iters']} iterations; "
+              f"final_state_sha256 {summary['final_state_sha256']}", flush=True)
+        return 0
+    print(f"[launch] error: {summary['error'] or 'the job did not complete'}",
+          file=sys.stderr, flush=True)
+    return 1
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, rest = _split(argv)
     args = build_parser().parse_args(own)
     try:
         if args.cmd == "launch":
-            from .launch.launcher import LaunchOptions, run
-
-            opts = LaunchOptions(
-                nodes=args.nodes, procs_per_node=args.procs_per_node,
-                spare_nodes=args.spare_nodes, node_rank=args.node_rank,
-                master_addr=args.master_addr, master_port=args.master_port,
-                summary_json=args.summary_json, script=args.script, inject=args.inject,
-                results_dir=args.results_dir, trainer_argv=rest, device=args.device,
-                join_as_spare=args.join_as_spare)
-            summary = run(opts)
-            if summary["ok"] and args.join_as_spare:
-                print(f"[launch] spare node {summary['node']} left the job: "
-                      f"{summary['reason']}", flush=True)
-                return 0
-            if summary["ok"]:
-                print(f"[launch] completed {summary['completed_iters']} iterations; "
-                      f"final_state_sha256 {summary['final_state_sha256']}", flush=True)
-                return 0
-            print(f"[launch] error: {summary['error'] or 'the job did not complete'}",
-                  file=sys.stderr, flush=True)
-            return 1
+            return _run_launch(args, rest)
         if args.cmd == "demo":
             from .demo import run_demo
 
@@ -161,6 +172,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                 else 1
         if args.cmd == "plan":
             return _run_plan(args)
+        if args.cmd == "report":
+            from .report import draw
+
+            print(f"wrote {draw(args.events, args.output, args.summary)}")
+            return 0
         if args.cmd == "bench":
             from . import bench
 

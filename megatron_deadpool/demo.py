@@ -91,6 +91,7 @@ def run_demo(args) -> int:
                                 trainer_argv=flags), out=_Filter(log, False))
         summary["reference_wall_s"] = round(time.time() - t1, 3)
     summary["reference_state_sha256"] = ref["final_state_sha256"] if ref else None
+    summary["reference_losses"] = ref["losses"] if ref else None
     summary["bitwise_equal"] = bool(
         ref and swap["ok"] and ref["ok"]
         and swap["final_state_sha256"] == ref["final_state_sha256"]
