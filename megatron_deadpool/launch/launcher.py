@@ -49,6 +49,7 @@ class Job:
     seen_plans: int = 1
     env: WorkerEnv = field(default_factory=WorkerEnv)
     joined: bool = False  # a spare node that joined a running job (--join-as-spare)
+    stop_reason: Optional[str] = None  # the coordinator's shutdown message, once seen
 
     @property
     def hosts_store(self) -> bool:
@@ -163,7 +164,7 @@ def _join_as_spare(opts: LaunchOptions, cfg, say, out) -> dict:
         agent.join_output()
     codes = agent.exit_codes
     return {"ok": all(c == 0 for c in codes.values()), "node": node, "exit_codes": codes,
-            "reason": coord.shutdown_reason(), "error": None if all(
+            "reason": job.stop_reason, "error": None if all(
                 c == 0 for c in codes.values()) else f"spare process exit codes {codes}"}
 
 
@@ -183,8 +184,9 @@ def _supervise(job: Job) -> None:
         try:
             exited = [(a, lid, code) for a in job.agents for lid, code in a.poll()]
         except RuntimeError:  # DistNetworkError: node 0 closed the store after the job ended
-            if job.hosts_store or any(a.alive() for a in job.agents):
-                raise
+            if job.hosts_store or job.stop_reason is None:
+                raise  # the coordinator vanished mid-job
+            _wait_for_exit(job, grace_s=30.0)  # our processes saw the stop: they leave
             return
         d = job.decider
         if job.opts.respawn_spares and d is not None and not d.finished:
@@ -202,12 +204,19 @@ def _supervise(job: Job) -> None:
             if d.failed_reason and job.failed is None:
                 job.failed = d.failed_reason
                 return
-        if job.cfg.enabled and not job.hosts_store and job.coord.shutdown_reason() is not None \
-                and not any(a.alive() for a in job.agents):
-            return
+        if job.cfg.enabled and not job.hosts_store:
+            job.stop_reason = job.stop_reason or job.coord.shutdown_reason()
+            if job.stop_reason is not None and not any(a.alive() for a in job.agents):
+                return
         if not any(a.alive() for a in job.agents):
             return
         time.sleep(0.02)
+
+
+def _wait_for_exit(job: Job, grace_s: float) -> None:
+    deadline = time.monotonic() + grace_s
+    while any(a.alive() for a in job.agents) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _respawn(job: Job, exited) -> None:
