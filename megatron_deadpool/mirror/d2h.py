@@ -15,6 +15,7 @@ one tensor; ``Copier.runs`` says how many copies a snapshot takes.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -77,21 +78,27 @@ def _flush(runs: List[Run], cur) -> None:
 class Copier:
     """Runs the copies of one slot. With a CUDA stream the copies are asynchronous D2H into
     pinned memory, ordered after ``step_done``; the time the side stream spent on them is
-    measured with CUDA events (``gpu_copy_s``)."""
+    measured with CUDA events (``gpu_copy_s``). ``copy_times`` keeps the seconds of
+    recent snapshots' copies (host: wall clock of the copy; GPU: side-stream time)."""
+
+    KEEP_TIMES = 4096
 
     def __init__(self, stream: Optional["torch.cuda.Stream"] = None):
         self.stream = stream
         self.copies = 0  # copies issued, all snapshots
         self.bytes = 0
         self.gpu_copy_s = 0.0
+        self.copy_times: List[float] = []
         if stream is not None:
             self._start = torch.cuda.Event(enable_timing=True)
             self._done = torch.cuda.Event(enable_timing=True)
 
     def copy(self, slot: torch.Tensor, runs: Sequence[Run], step_done=None) -> None:
         if self.stream is None:
+            t0 = time.perf_counter()
             for r in runs:
                 slot[r.offset:r.offset + r.nbytes].copy_(r.source())
+            self._keep(time.perf_counter() - t0)
         else:
             with torch.cuda.stream(self.stream):
                 if step_done is not None:
@@ -101,6 +108,13 @@ class Copier:
                     slot[r.offset:r.offset + r.nbytes].copy_(r.source(), non_blocking=True)
                 self._done.record(self.stream)
             self._done.synchronize()
-            self.gpu_copy_s += self._start.elapsed_time(self._done) / 1000.0
+            dt = self._start.elapsed_time(self._done) / 1000.0
+            self.gpu_copy_s += dt
+            self._keep(dt)
         self.copies += len(runs)
         self.bytes += sum(r.nbytes for r in runs)
+
+    def _keep(self, dt: float) -> None:
+        if len(self.copy_times) >= self.KEEP_TIMES:
+            del self.copy_times[:self.KEEP_TIMES // 2]
+        self.copy_times.append(dt)

@@ -21,6 +21,7 @@ import os
 import pickle
 import struct
 import threading
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -111,25 +112,49 @@ CRC_CHUNK = 64 << 20
 CRC_THREADS = min(8, max(1, (os.cpu_count() or 2) // 2))
 _pool: "ThreadPoolExecutor | None" = None
 _pool_lock = threading.Lock()
+CRC_POOL_TIDS: set = set()  # native ids of the pool's threads (CPU accounting)
+_pool_cpu = [0.0]  # CPU seconds the pool's threads spent checksumming
+
+
+def _pool_init() -> None:
+    CRC_POOL_TIDS.add(threading.get_native_id())
+    lower_thread_priority(threading.get_native_id())
 
 
 def _executor() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(
-                CRC_THREADS, thread_name_prefix="deadpool-crc",
-                initializer=lambda: lower_thread_priority(threading.get_native_id()))
+            _pool = ThreadPoolExecutor(CRC_THREADS, thread_name_prefix="deadpool-crc",
+                                       initializer=_pool_init)
         return _pool
+
+
+def _crc_timed(piece) -> int:
+    t0 = time.thread_time()
+    v = zlib.crc32(piece)
+    with _pool_lock:
+        _pool_cpu[0] += time.thread_time() - t0
+    return v
+
+
+def pool_cpu_s() -> float:
+    """CPU seconds spent by the checksum pool's threads so far (this process)."""
+    return _pool_cpu[0]
 
 
 def _chunk_crcs(mv: memoryview) -> bytes:
     pieces = [mv[i:i + CRC_CHUNK] for i in range(0, len(mv), CRC_CHUNK)]
     if len(pieces) > 1 and CRC_THREADS > 1:
-        crcs = list(_executor().map(zlib.crc32, pieces))
+        crcs = list(_executor().map(_crc_timed, pieces))
     else:
         crcs = [zlib.crc32(p) for p in pieces]
     return struct.pack(f"<{len(crcs)}I", *crcs)
+
+
+def checksum(buf: torch.Tensor) -> int:
+    """The tensor area's checksum, for a whole uint8 host buffer (measurements)."""
+    return zlib.crc32(_chunk_crcs(memoryview(buf.numpy())))
 
 
 def _crc(slot: torch.Tensor, tensor_end: int, meta_len: int) -> int:
