@@ -3,14 +3,18 @@ snapshot's copy bandwidth against a plain copy, the bench's aggregation, and the
 snapshot path (one foreach copy per slot, CRC-32C, holders skip the metadata)."""
 
 import json
+import struct
 import textwrap
 import threading
 import time
 
 import pytest
+import torch
+from crc32c import crc32c
 
 from megatron_deadpool import bench
-from megatron_deadpool.mirror import cpu
+from megatron_deadpool.errors import MirrorCorruptError
+from megatron_deadpool.mirror import cpu, d2h, snapshot
 from solo import run_solo
 
 
@@ -43,6 +47,59 @@ def test_thread_clock_from_proc_matches_the_threads_own_clock():
     assert out["proc"] == pytest.approx(out["own"], abs=0.02)
     assert cpu.thread_cpu_s(0) is None  # no such thread
     assert cpu.threads_cpu_s([out["tid"], threading.get_native_id()]) > 0
+
+
+def test_foreach_copy_fills_each_slot_exactly():
+    flat = torch.arange(64, dtype=torch.float32)
+    named = [("a", flat[:16]), ("b", flat[16:48]), ("x", torch.randn(7)),
+             ("e", torch.arange(6.0).reshape(2, 3).t()), ("step", torch.tensor(3.0))]
+    layout = snapshot.Layout(named, 1 << 12)
+    runs = d2h.plan(layout, [t for _, t in named])
+    c = d2h.Copier()
+    slots = [snapshot.alloc_slot(layout.total_bytes, False) for _ in range(2)]
+    for k, slot in enumerate(slots + slots):
+        for _, t in named:
+            t.add_(1)
+        c.copy(slot, runs)
+        ref = snapshot.alloc_slot(layout.total_bytes, False)
+        snapshot.copy_tensors_in(ref, layout, [t for _, t in named])
+        assert torch.equal(slot, ref), k
+    assert len(c.copy_times) == 4 and c.bytes == 4 * layout.tensor_bytes
+
+
+def _sealed():
+    named = [("a", torch.randn(100)), ("step", torch.tensor(2.0))]
+    layout = snapshot.Layout(named, 1 << 10)
+    slot = snapshot.alloc_slot(layout.total_bytes, False)
+    snapshot.copy_tensors_in(slot, layout, [t for _, t in named])
+    snapshot.seal(slot, layout, 1, 5, {"iteration": 5})
+    return layout, slot
+
+
+def test_checksum_is_crc32c_over_chunk_crcs_then_metadata():
+    layout, slot = _sealed()
+    h = snapshot.read_header(slot)
+    raw = slot.numpy().tobytes()
+    tensors = raw[snapshot.HEADER_BYTES:layout.tensor_end]
+    meta = raw[layout.tensor_end:layout.tensor_end + h["meta_len"]]
+    expect = crc32c(meta, crc32c(struct.pack("<I", crc32c(tensors))))
+    assert h["crc"] == expect and h["magic"] == snapshot.MAGIC
+
+
+def test_holder_verify_skips_the_metadata_but_not_the_checksum():
+    layout, slot = _sealed()
+    assert snapshot.verify(slot, 1, 5, load_meta=False) is None
+    assert snapshot.verify(slot, 1, 5) == {"iteration": 5}
+    slot[layout.entries[0].offset + 7] ^= 0x04
+    with pytest.raises(MirrorCorruptError, match="checksum"):
+        snapshot.verify(slot, 1, 5, load_meta=False)
+
+
+def test_format_1_slot_is_refused_by_name():
+    layout, slot = _sealed()
+    snapshot._header(slot)[0] = snapshot.MAGIC_V1
+    with pytest.raises(MirrorCorruptError, match="format 1"):
+        snapshot.verify(slot, 1, 5)
 
 
 def _rank(fraction, gbps, copy):
@@ -95,3 +152,20 @@ def test_a_protected_run_reports_its_mirror_cpu_and_snapshot_bandwidth():
     s = r["snapshot"]
     assert s["snapshot_bytes"] == r["mirror_tensor_bytes"] and s["snapshots"] == 7
     assert s["snapshot_gbps"] > 0 and s["copy_gbps"] > 0 and s["checksum_gbps"] > 0
+
+
+def test_compact_python_rng_state_restores_the_same_draws():
+    import random
+
+    from megatron_deadpool.megatron import train_state as ts
+
+    random.seed(11)
+    random.random()
+    random.gauss(0, 1)  # leaves gauss_next set
+    full = {"python": random.getstate()}
+    packed = ts.compact_rng(full)["python"]
+    assert isinstance(packed["words"], bytes) and full["python"][2] == packed["gauss"]
+    ahead = [random.random(), random.gauss(0, 1)]
+    random.setstate(ts._python_state(packed))
+    assert [random.random(), random.gauss(0, 1)] == ahead
+    assert ts._python_state(full["python"]) == full["python"]  # the tuple form still reads

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -76,9 +76,11 @@ def _flush(runs: List[Run], cur) -> None:
 
 
 class Copier:
-    """Runs the copies of one slot. With a CUDA stream the copies are asynchronous D2H into
-    pinned memory, ordered after ``step_done``; the time the side stream spent on them is
-    measured with CUDA events (``gpu_copy_s``). ``copy_times`` keeps the seconds of
+    """Runs the copies of one slot. On the host: one ``torch.cat`` into the slot's packed
+    tensor area (``torch._foreach_copy_`` over cached views if the runs are not back to
+    back), no per-tensor Python loop. With a CUDA stream the copies are asynchronous
+    D2H into pinned memory, ordered after ``step_done``; the time the side stream spent on
+    them is measured with CUDA events (``gpu_copy_s``). ``copy_times`` keeps the seconds of
     recent snapshots' copies (host: wall clock of the copy; GPU: side-stream time)."""
 
     KEEP_TIMES = 4096
@@ -89,15 +91,38 @@ class Copier:
         self.bytes = 0
         self.gpu_copy_s = 0.0
         self.copy_times: List[float] = []
+        self._total: tuple = (None, 0)  # (runs, their bytes): summed once per plan
+        self._views: Dict[Tuple[int, int], Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}
         if stream is not None:
             self._start = torch.cuda.Event(enable_timing=True)
             self._done = torch.cuda.Event(enable_timing=True)
 
+    def _pairs(self, slot: torch.Tensor, runs: Sequence[Run]):
+        """(destination, sources) for ``slot``, built once per slot and plan: when the runs
+        lie back to back in the slot (the packed layout), one destination view for a single
+        ``torch.cat``; otherwise one view per run. Runs of non-contiguous tensors are
+        flattened at each copy (none in the reference)."""
+        key = (slot.data_ptr(), id(runs))
+        if key not in self._views:
+            if len(self._views) > 8:  # plans change on a relayout: drop stale views
+                self._views.clear()
+            packed = all(a.offset + a.nbytes == b.offset for a, b in zip(runs, runs[1:]))
+            dst = ([slot[runs[0].offset:runs[-1].offset + runs[-1].nbytes]] if packed and runs
+                   else [slot[r.offset:r.offset + r.nbytes] for r in runs])
+            self._views[key] = (dst, [r.src for r in runs])
+        dst, src = self._views[key]
+        if any(s is None for s in src):
+            src = [r.source() for r in runs]
+        return dst, src
+
     def copy(self, slot: torch.Tensor, runs: Sequence[Run], step_done=None) -> None:
         if self.stream is None:
+            dst, src = self._pairs(slot, runs)
             t0 = time.perf_counter()
-            for r in runs:
-                slot[r.offset:r.offset + r.nbytes].copy_(r.source())
+            if len(dst) == 1 and len(src) > 1:
+                torch.cat(src, out=dst[0])  # one op: no per-tensor dispatch
+            elif dst:
+                torch._foreach_copy_(dst, src)
             self._keep(time.perf_counter() - t0)
         else:
             with torch.cuda.stream(self.stream):
@@ -112,7 +137,9 @@ class Copier:
             self.gpu_copy_s += dt
             self._keep(dt)
         self.copies += len(runs)
-        self.bytes += sum(r.nbytes for r in runs)
+        if self._total[0] is not runs:
+            self._total = (runs, sum(r.nbytes for r in runs))
+        self.bytes += self._total[1]
 
     def _keep(self, dt: float) -> None:
         if len(self.copy_times) >= self.KEEP_TIMES:

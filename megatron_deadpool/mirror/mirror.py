@@ -246,7 +246,8 @@ class Mirror:
         ok = True
         for o in owners:
             try:
-                snapshot.verify(self.recv[o][idx], o, iteration, job=self.job)
+                snapshot.verify(self.recv[o][idx], o, iteration, job=self.job,
+                                load_meta=False)
                 self.recv_iter[o][idx] = iteration
             except MirrorCorruptError:
                 ok = False

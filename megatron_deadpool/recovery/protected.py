@@ -143,6 +143,7 @@ class Protected:
     def _meta(self, iteration: int) -> dict:
         meta = ts.capture(iteration, self.train_state, self.scheduler, self.optimizer,
                           with_cuda=self._with_cuda)
+        meta["rng"] = ts.compact_rng(meta["rng"])
         meta["optimizer_state_empty"] = shard.optimizer_state_empty(self.optimizer)
         meta["param_groups"] = shard.group_state(self.optimizer)
         return meta
