@@ -19,15 +19,19 @@ from solo import run_solo
 
 
 def test_window_divides_mirror_cpu_per_job_by_training_cpu_per_step():
-    start = cpu.Sample(main_s=10.0, main_mirror_s=1.0, steps=3, mirror_threads_s=2.0, jobs=3)
+    start = cpu.Sample(main_s=10.0, main_mirror_s=1.0, steps=3, jobs=3,
+                       parts={"mirror_thread": 1.5, "gloo": 0.5})
     last = cpu.Sample(main_s=20.5, main_mirror_s=1.5, steps=13)
-    end = cpu.Sample(main_s=0.0, main_mirror_s=0.0, steps=0, mirror_threads_s=2.6, jobs=14)
+    end = cpu.Sample(main_s=0.0, main_mirror_s=0.0, steps=0, jobs=14,
+                     parts={"mirror_thread": 1.9, "gloo": 0.7})
     w = cpu.window(start, last, end)
     assert (w["steps"], w["jobs"]) == (10, 11)
     assert w["main_train_cpu_per_step_s"] == pytest.approx(1.0)  # (10.5 - 0.5) / 10
     assert w["mirror_threads_cpu_per_job_s"] == pytest.approx(0.6 / 11)
     assert w["main_mirror_cpu_per_job_s"] == pytest.approx(0.5 / 11)
     assert w["mirror_cpu_fraction"] == pytest.approx(1.1 / 11)
+    assert w["mirror_thread_cpu_per_job_s"] == pytest.approx(0.4 / 11)
+    assert w["gloo_cpu_per_job_s"] == pytest.approx(0.2 / 11)
     assert cpu.window(start, cpu.Sample(20.0, 1.0, 3), end) is None  # no step in it
 
 

@@ -54,8 +54,12 @@ class Sample:
     main_s: float
     main_mirror_s: float
     steps: int
-    mirror_threads_s: float = 0.0
     jobs: int = 0
+    parts: Optional[dict] = None  # {"mirror_thread", "checksum_pool", "gloo"}: seconds
+
+    @property
+    def mirror_threads_s(self) -> float:
+        return sum((self.parts or {}).values())
 
 
 def window(start: Sample, last: Sample, end: Sample) -> Optional[dict]:
@@ -70,7 +74,9 @@ def window(start: Sample, last: Sample, end: Sample) -> Optional[dict]:
     threads = end.mirror_threads_s - start.mirror_threads_s
     per_job = (threads + main_mirror) / jobs
     per_step = main_train / steps
-    return {"steps": steps, "jobs": jobs,
+    parts = {f"{k}_cpu_per_job_s": ((end.parts or {}).get(k, 0.0) - v) / jobs
+             for k, v in (start.parts or {}).items()}
+    return {"steps": steps, "jobs": jobs, **parts,
             "main_train_cpu_per_step_s": per_step,
             "mirror_cpu_per_job_s": per_job,
             "mirror_threads_cpu_per_job_s": threads / jobs,

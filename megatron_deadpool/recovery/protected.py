@@ -136,8 +136,8 @@ class Protected:
         if with_threads:
             m = self.mirror
             s.jobs = m.jobs
-            s.mirror_threads_s = (m.job_cpu_s + snapshot.pool_cpu_s()
-                                  + cpu.threads_cpu_s(self._gloo_tids))
+            s.parts = {"mirror_thread": m.job_cpu_s, "checksum_pool": snapshot.pool_cpu_s(),
+                       "gloo": cpu.threads_cpu_s(self._gloo_tids)}
         return s
 
     def _meta(self, iteration: int) -> dict:
