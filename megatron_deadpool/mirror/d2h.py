@@ -81,7 +81,8 @@ class Copier:
     back), no per-tensor Python loop. With a CUDA stream the copies are asynchronous
     D2H into pinned memory, ordered after ``step_done``; the time the side stream spent on
     them is measured with CUDA events (``gpu_copy_s``). ``copy_times`` keeps the seconds of
-    recent snapshots' copies (host: wall clock of the copy; GPU: side-stream time)."""
+    recent snapshots' copies (host: the copying thread's CPU clock, so preemption by other
+    processes is not counted; GPU: side-stream time)."""
 
     KEEP_TIMES = 4096
 
@@ -92,7 +93,7 @@ class Copier:
         self.gpu_copy_s = 0.0
         self.copy_times: List[float] = []
         self._total: tuple = (None, 0)  # (runs, their bytes): summed once per plan
-        self._views: Dict[Tuple[int, int], Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}
+        self._views: Dict[Tuple[int, int], tuple] = {}  # (dst views, sources, flatten)
         if stream is not None:
             self._start = torch.cuda.Event(enable_timing=True)
             self._done = torch.cuda.Event(enable_timing=True)
@@ -109,21 +110,20 @@ class Copier:
             packed = all(a.offset + a.nbytes == b.offset for a, b in zip(runs, runs[1:]))
             dst = ([slot[runs[0].offset:runs[-1].offset + runs[-1].nbytes]] if packed and runs
                    else [slot[r.offset:r.offset + r.nbytes] for r in runs])
-            self._views[key] = (dst, [r.src for r in runs])
-        dst, src = self._views[key]
-        if any(s is None for s in src):
-            src = [r.source() for r in runs]
-        return dst, src
+            src = [r.src for r in runs]
+            self._views[key] = (dst, src, any(x is None for x in src))
+        dst, src, flatten = self._views[key]
+        return dst, ([r.source() for r in runs] if flatten else src)
 
     def copy(self, slot: torch.Tensor, runs: Sequence[Run], step_done=None) -> None:
         if self.stream is None:
             dst, src = self._pairs(slot, runs)
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             if len(dst) == 1 and len(src) > 1:
                 torch.cat(src, out=dst[0])  # one op: no per-tensor dispatch
             elif dst:
                 torch._foreach_copy_(dst, src)
-            self._keep(time.perf_counter() - t0)
+            self._keep(time.thread_time() - t0)
         else:
             with torch.cuda.stream(self.stream):
                 if step_done is not None:

@@ -64,6 +64,7 @@ class Layout:
             self.entries.append(Entry(name, off, nbytes))
             off += nbytes
         self.tensor_end = _align(off)
+        self.tensor_bytes = sum(e.nbytes for e in self.entries)  # read at every seal
         self.meta_capacity = meta_capacity
         self.total_bytes = _align(off + meta_capacity)
         h = hashlib.sha256()
@@ -71,9 +72,6 @@ class Layout:
             h.update(f"{e.name}:{e.nbytes}:{tuple(t.shape)}:{t.dtype};".encode())
         self.layout_id = int.from_bytes(h.digest()[:7], "little")
 
-    @property
-    def tensor_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries)
 
 
 def alloc_slot(nbytes: int, pin: bool) -> torch.Tensor:

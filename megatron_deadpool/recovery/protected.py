@@ -141,11 +141,16 @@ class Protected:
         return s
 
     def _meta(self, iteration: int) -> dict:
-        meta = ts.capture(iteration, self.train_state, self.scheduler, self.optimizer,
-                          with_cuda=self._with_cuda)
-        meta["rng"] = ts.compact_rng(meta["rng"])
-        meta["optimizer_state_empty"] = shard.optimizer_state_empty(self.optimizer)
-        meta["param_groups"] = shard.group_state(self.optimizer)
+        import torch
+
+        # Reading RNG states and counters needs no torch-function override: CPU mode's
+        # device-rewriting mode would cost ~35 us of Python dispatch here, every step.
+        with torch._C.DisableTorchFunction():
+            meta = ts.capture(iteration, self.train_state, self.scheduler, self.optimizer,
+                              with_cuda=self._with_cuda)
+            meta["rng"] = ts.compact_rng(meta["rng"])
+            meta["optimizer_state_empty"] = shard.optimizer_state_empty(self.optimizer)
+            meta["param_groups"] = shard.group_state(self.optimizer)
         return meta
 
     # ---------------------------------------------------------------- recovery
