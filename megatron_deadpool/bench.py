@@ -120,11 +120,13 @@ def mirror_cost(results_dir: str, world_size: int) -> dict:
     per rank and its max, and the snapshot's copy bandwidth against a plain copy."""
     ranks = read_rank_results(results_dir, world_size)
     fr = [(x.get("mirror_cpu") or {}).get("mirror_cpu_fraction") for x in ranks]
-    worst = max(range(len(fr)), key=lambda i: fr[i] if fr[i] is not None else -1.0)
+    worst = max(range(len(fr)), key=lambda i: fr[i] if fr[i] is not None else -1.0,
+                default=None)
     snaps = [x.get("snapshot") or {} for x in ranks]
-    return {"mirror_cpu_fraction": fr[worst] if fr and fr[worst] is not None else None,
+    return {"mirror_cpu_fraction": fr[worst] if worst is not None else None,
             "mirror_cpu_fraction_per_rank": fr,
-            "mirror_cpu_worst_rank": ranks[worst].get("mirror_cpu") if ranks else None,
+            "mirror_cpu_worst_rank": ranks[worst].get("mirror_cpu") if worst is not None
+            else None,
             "snapshot_per_rank": snaps}
 
 
