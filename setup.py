@@ -16,7 +16,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_deadpool", "megatron_deadpool.*"]),
     # torch: install torch==2.13.0 first on CPU machines (a bare `torch` pulls a CUDA build).
-    install_requires=["torch", "megatron-core==0.16.1", "numpy"],
+    # crc32c: the snapshot checksum (CRC-32C in hardware, SSE4.2 / ARMv8; GIL released)
+    install_requires=["torch", "megatron-core==0.16.1", "numpy", "crc32c>=2.3"],
     extras_require={
         "test": ["pytest>=7", "matplotlib"],
         "report": ["matplotlib"],  # deadpool report

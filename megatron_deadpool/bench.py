@@ -19,6 +19,8 @@ from .launch.summary import read_rank_results
 from .recovery.phases import PHASE_ORDER
 
 WARMUP_ITERS = 3
+IN_RUN_ITERS = 150  # 37 blocks of 4: ~55 kept steps per mode
+IN_RUN_BLOCK = 4
 
 
 def _step_times(results_dir: str, world_size: int) -> List[float]:
@@ -37,12 +39,12 @@ def _with_iters(argv: List[str], n: int) -> List[str]:
 
 
 def overhead(trainer_argv: Optional[List[str]], rounds: int = 3, nodes: int = 4,
-             procs_per_node: int = 2, in_run_iters: int = 60) -> dict:
+             procs_per_node: int = 2, in_run_iters: int = IN_RUN_ITERS) -> dict:
     argv = list(trainer_argv) if trainer_argv else DEMO_FLAGS + ["--train-iters", "30"]
     argv = [a for a in argv if a != "--deadpool"]
     work = tempfile.mkdtemp(prefix="deadpool-bench-")
-    samples = {"off": [], "on": []}
-    per_round = []
+    samples = {"off": [], "on": [], "waits": []}
+    per_round, costs = [], []
     mirror = {}
     for i in range(rounds):
         for mode in ("off", "on"):
@@ -61,7 +63,9 @@ def overhead(trainer_argv: Optional[List[str]], rounds: int = 3, nodes: int = 4,
             if mode == "on":
                 mirror = dict(s.get("mirror", {}), **host_memory(rd, nodes * procs_per_node,
                                                                argv))
-                samples.setdefault("waits", []).append(s["mirror"]["waits"])
+                samples["waits"].append(s["mirror"]["waits"])
+                costs.append(mirror_cost(rd, nodes * procs_per_node))
+                per_round[-1]["mirror_cpu_fraction"] = costs[-1]["mirror_cpu_fraction"]
     off, on = statistics.median(samples["off"]), statistics.median(samples["on"])
     result = {
         "step_s_off": off, "step_s_on": on, "ratio_on_over_off": on / off,
@@ -72,27 +76,79 @@ def overhead(trainer_argv: Optional[List[str]], rounds: int = 3, nodes: int = 4,
                                       "replicas", "host_bytes_over_shard",
                                       "host_bytes_over_shard_all",
                                       "host_bytes_bound_over_shard")},
+        **combine_costs(costs),
         "rounds": rounds, "steps_per_mode": len(samples["off"]), "per_round": per_round,
         "trainer_argv": argv, "nodes": nodes, "procs_per_node": procs_per_node,
     }
     if in_run_iters:
-        n = in_run_iters
-        ir_argv = _with_iters(argv, n)
-        result["in_run"] = in_run(ir_argv, nodes, procs_per_node)
-        print(f"in one job (alternating blocks of {result['in_run']['block']} iterations): "
-              f"step_s_off {result['in_run']['step_s_off'] * 1000:.2f} ms | step_s_on "
-              f"{result['in_run']['step_s_on'] * 1000:.2f} ms | ratio "
-              f"{result['in_run']['ratio_on_over_off']:.4f}", flush=True)
-    print(f"host memory per rank: {result['host_bytes_per_rank']} bytes, at most "
-          f"{result['host_bytes_over_shard']:.3f} x the rank's shard (max shard "
-          f"{result['shard_bytes_per_rank']} bytes); 2(K+1) = "
-          f"{result['host_bytes_bound_over_shard']} for K = {result['replicas']}; pinned "
-          f"{result['pinned_bytes_per_rank']}", flush=True)
-    print(f"step_s_off {off * 1000:.2f} ms | step_s_on {on * 1000:.2f} ms | "
-          f"ratio_on_over_off {on / off:.4f} | mirror_bytes_per_rank "
-          f"{result['mirror_bytes_per_rank']} | host_bytes_per_rank "
-          f"{result['host_bytes_per_rank']} | waits {result['waits']}", flush=True)
+        result["in_run"] = in_run(_with_iters(argv, in_run_iters), nodes, procs_per_node)
+    _print_overhead(result)
     return result
+
+
+def _print_overhead(r: dict) -> None:
+    if "in_run" in r:
+        ir = r["in_run"]
+        print(f"in one job (alternating blocks of {ir['block']} iterations, {ir['blocks']} "
+              f"blocks): step_s_off {ir['step_s_off'] * 1000:.2f} ms | step_s_on "
+              f"{ir['step_s_on'] * 1000:.2f} ms | ratio {ir['ratio_on_over_off']:.4f} "
+              f"(block pairs: p25 {_fmt(ir['pair_ratio_p25'], 4)}, p75 "
+              f"{_fmt(ir['pair_ratio_p75'], 4)})",
+              flush=True)
+    print(f"host memory per rank: {r['host_bytes_per_rank']} bytes, at most "
+          f"{r['host_bytes_over_shard']:.3f} x the rank's shard (max shard "
+          f"{r['shard_bytes_per_rank']} bytes); 2(K+1) = "
+          f"{r['host_bytes_bound_over_shard']} for K = {r['replicas']}; pinned "
+          f"{r['pinned_bytes_per_rank']}", flush=True)
+    f = r.get("mirror_cpu_fraction")
+    print(f"mirror_cpu_fraction {f if f is None else round(f, 5)} (max over ranks) | "
+          f"snapshot_gbps {_fmt(r.get('snapshot_gbps'))} | copy_gbps "
+          f"{_fmt(r.get('copy_gbps'))} | checksum_gbps {_fmt(r.get('checksum_gbps'))}",
+          flush=True)
+    print(f"step_s_off {r['step_s_off'] * 1000:.2f} ms | step_s_on {r['step_s_on'] * 1000:.2f}"
+          f" ms | ratio_on_over_off {r['ratio_on_over_off']:.4f} | mirror_bytes_per_rank "
+          f"{r['mirror_bytes_per_rank']} | host_bytes_per_rank "
+          f"{r['host_bytes_per_rank']} | waits {r['waits']}", flush=True)
+
+
+def _fmt(x, digits: int = 2) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def mirror_cost(results_dir: str, world_size: int) -> dict:
+    """One job's mirror cost from the ranks' results (``mirror/cpu.py``): the CPU fraction
+    per rank and its max, and the snapshot's copy bandwidth against a plain copy."""
+    ranks = read_rank_results(results_dir, world_size)
+    fr = [(x.get("mirror_cpu") or {}).get("mirror_cpu_fraction") for x in ranks]
+    worst = max(range(len(fr)), key=lambda i: fr[i] if fr[i] is not None else -1.0,
+                default=None)
+    snaps = [x.get("snapshot") or {} for x in ranks]
+    return {"mirror_cpu_fraction": fr[worst] if worst is not None else None,
+            "mirror_cpu_fraction_per_rank": fr,
+            "mirror_cpu_worst_rank": ranks[worst].get("mirror_cpu") if worst is not None
+            else None,
+            "snapshot_per_rank": snaps}
+
+
+def combine_costs(costs: List[dict]) -> dict:
+    """Over the mirror-on runs: the median of each run's max-over-ranks CPU fraction, and
+    medians over every rank of every run of the snapshot / plain-copy bandwidths."""
+    fr = [c["mirror_cpu_fraction"] for c in costs if c["mirror_cpu_fraction"] is not None]
+    snaps = [s for c in costs for s in c["snapshot_per_rank"]]
+
+    def med(key):
+        vals = [s[key] for s in snaps if s.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    ratios = [s["snapshot_gbps"] / s["copy_gbps"] for s in snaps
+              if s.get("snapshot_gbps") and s.get("copy_gbps")]
+    return {"mirror_cpu_fraction": statistics.median(fr) if fr else None,
+            "mirror_cpu_fraction_runs": fr,
+            "mirror_cpu": [c["mirror_cpu_worst_rank"] for c in costs],
+            "snapshot_gbps": med("snapshot_gbps"), "copy_gbps": med("copy_gbps"),
+            "checksum_gbps": med("checksum_gbps"), "snapshot_bytes": med("snapshot_bytes"),
+            "snapshot_over_copy_min": min(ratios) if ratios else None,
+            "snapshot_over_copy_median": statistics.median(ratios) if ratios else None}
 
 
 def host_memory(results_dir: str, world_size: int, argv: List[str]) -> dict:
@@ -115,11 +171,14 @@ def host_memory(results_dir: str, world_size: int, argv: List[str]) -> dict:
             "host_bytes_bound_over_shard": 2 * (k + 1)}
 
 
-def in_run(argv: List[str], nodes: int, procs_per_node: int, block: int = 3) -> dict:
+def in_run(argv: List[str], nodes: int, procs_per_node: int, block: int = IN_RUN_BLOCK
+           ) -> dict:
     """Mirror on and off in alternating blocks of ``block`` iterations inside ONE job, so
     both modes see the same processes and machine load. The first step of each block is
     dropped (it still carries the previous block's mode: snapshot k is paid for in step k+1).
-    Measures the snapshot and exchange only; the runtime's threads run in both modes."""
+    Measures the snapshot and exchange only; the runtime's threads run in both modes.
+    ``pair_ratio_*``: quartiles of the ratio of each on block's median to the next off
+    block's (how much the headline could move from block to block)."""
     work = tempfile.mkdtemp(prefix="deadpool-bench-inrun-")
     s = run(LaunchOptions(nodes=nodes, procs_per_node=procs_per_node, results_dir=work,
                           trainer_argv=argv + ["--deadpool"], quiet=True, bench_block=block),
@@ -130,12 +189,21 @@ def in_run(argv: List[str], nodes: int, procs_per_node: int, block: int = 3) -> 
     steps = [max(xs) for xs in zip(*(x["step_s"] for x in per_rank))]
     modes = per_rank[0]["bench_modes"]
     by = {"on": [], "off": []}
+    blocks: List[tuple] = []
     for i, (t, m) in enumerate(zip(steps, modes)):
         if i >= WARMUP_ITERS and i % block != 0:
             by[m].append(t)
+            if not blocks or blocks[-1][0] != i // block:
+                blocks.append((i // block, m, []))
+            blocks[-1][2].append(t)
+    pairs = [statistics.median(a[2]) / statistics.median(b[2])
+             for a, b in zip(blocks, blocks[1:]) if a[1] == "on" and b[1] == "off"]
+    q = statistics.quantiles(pairs, n=4) if len(pairs) >= 2 else [None, None, None]
     on, off = statistics.median(by["on"]), statistics.median(by["off"])
     return {"step_s_off": off, "step_s_on": on, "ratio_on_over_off": on / off,
-            "block": block, "steps_on": len(by["on"]), "steps_off": len(by["off"])}
+            "block": block, "blocks": len(blocks), "steps_on": len(by["on"]),
+            "steps_off": len(by["off"]), "pair_ratio_p25": q[0], "pair_ratio_median": q[1],
+            "pair_ratio_p75": q[2], **mirror_cost(work, nodes * procs_per_node)}
 
 
 def recovery(repeats: int = 1) -> dict:

@@ -119,7 +119,7 @@ def _add_bench(sub) -> None:
     bo.add_argument("--rounds", type=int, default=3, help="off/on pairs, interleaved")
     bo.add_argument("--nodes", type=int, default=4)
     bo.add_argument("--procs-per-node", type=int, default=2)
-    bo.add_argument("--in-run-iters", type=int, default=60,
+    bo.add_argument("--in-run-iters", type=int, default=150,
                     help="also measure on/off in alternating blocks inside one job of this "
                          "many iterations (0: skip)")
     br = bsub.add_parser("recovery", help="recovery time of the demo config, per phase")

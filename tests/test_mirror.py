@@ -54,6 +54,12 @@ def test_bench_overhead_prints_and_writes_fields(tmp_path):
     ir = d["in_run"]
     assert ir["steps_on"] > 0 and ir["steps_off"] > 0
     assert ir["ratio_on_over_off"] == pytest.approx(ir["step_s_on"] / ir["step_s_off"])
+    # the CPU cost from per-thread clocks: one mirror-on run, max over its 8 ranks
+    assert d["mirror_cpu_fraction_runs"] == [d["mirror_cpu_fraction"]]
+    assert d["mirror_cpu_fraction"] > 0 and ir["mirror_cpu_fraction"] > 0
+    assert d["mirror_cpu"][0]["gloo_cpu_per_job_s"] > 0  # the mirror group's threads, found
+    assert d["snapshot_gbps"] > 0 and d["copy_gbps"] > 0 and d["checksum_gbps"] > 0
+    assert "mirror_cpu_fraction" in p.stdout and "snapshot_gbps" in p.stdout
 
 
 def test_replicas_zero_on_one_node_trains_like_mirror_off(tmp_path, reference):

@@ -75,10 +75,14 @@ def test_adjacent_tensors_are_one_copy_and_the_slot_is_exact():
 
 
 def test_views_that_are_not_adjacent_in_the_slot_stay_separate():
-    flat = torch.arange(10, dtype=torch.float32)  # 16 + 24 bytes: the slot pads to 64
+    flat = torch.arange(10, dtype=torch.float32)  # 16 + 24 bytes
+    named = [("b", flat[4:]), ("a", flat[:4])]  # adjacent in storage, swapped in the slot
+    runs = d2h.plan(snapshot.Layout(named, 64), [t for _, t in named])
+    assert [r.nbytes for r in runs] == [24, 16]
+    # the slot packs entries back to back (no padding between them): in order, one copy
     named = [("a", flat[:4]), ("b", flat[4:])]
     runs = d2h.plan(snapshot.Layout(named, 64), [t for _, t in named])
-    assert [r.nbytes for r in runs] == [16, 24]
+    assert [r.nbytes for r in runs] == [40]
 
 
 def test_snapshot_copies_run_on_the_mirror_thread(monkeypatch):

@@ -15,7 +15,7 @@ LAYERS = [
     ("mechanisms", ["membership.auth", "membership.assign", "membership.plan",
                     "membership.procs", "membership.local_restart",
                     "membership.store", "mirror.placement", "mirror.snapshot",
-                    "mirror.transport", "mirror.threads", "mirror.d2h",
+                    "mirror.transport", "mirror.threads", "mirror.d2h", "mirror.cpu",
                     "mirror.mirror", "mirror.persist", "megatron.support", "megatron.shard",
                     "megatron.train_state", "megatron.cpu_mode", "megatron.lm_rules",
                     "recovery.phases", "recovery.classify", "recovery.abort", "recovery.quiet",

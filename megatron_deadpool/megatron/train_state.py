@@ -9,6 +9,7 @@ integration keeps validation samples, FLOPs and the do_* flags there).
 
 from __future__ import annotations
 
+import array
 import random
 from typing import Any, Dict
 
@@ -16,7 +17,24 @@ import torch
 
 
 def _to_bytes(t: torch.Tensor) -> bytes:
+    if t.device.type == "cpu" and t.dtype == torch.uint8 and t.is_contiguous():
+        return t.numpy().tobytes()  # RNG states: ByteTensors (a few us instead of ~12)
     return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def compact_rng(rng: dict) -> dict:
+    """For the mirror's metadata: Python's state as packed 32-bit words (pickling its
+    625-int tuple costs ~20 us a step). ``apply_rng`` reads both forms; ``capture`` keeps
+    the tuple (the state fingerprint, ``canonical_bytes``, is computed from it)."""
+    version, words, gauss = rng["python"]
+    return dict(rng, python={"version": version, "words": array.array("I", words).tobytes(),
+                             "gauss": gauss})
+
+
+def _python_state(v):
+    if isinstance(v, dict):
+        return v["version"], tuple(array.array("I", v["words"])), v["gauss"]
+    return v
 
 
 def _from_bytes(b: bytes) -> torch.Tensor:
@@ -46,7 +64,7 @@ def apply_rng(rng: dict) -> None:
         torch.cuda.set_rng_state(_from_bytes(rng["cuda"]))
     torch.set_rng_state(_from_bytes(rng["torch"]))
     np.random.set_state(rng["numpy"])
-    random.setstate(rng["python"])
+    random.setstate(_python_state(rng["python"]))
 
 
 def capture(iteration: int, train_state, scheduler, optimizer, with_cuda: bool) -> dict:

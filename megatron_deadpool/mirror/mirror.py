@@ -56,13 +56,15 @@ class Mirror:
         self.wait_s = 0.0
         self.jobs = 0
         self.job_s = 0.0
+        self.job_cpu_s = 0.0  # the mirror thread's CPU clock over its snapshot jobs
+        self.tid: Optional[int] = None  # the mirror thread's native id
         self.last_error: Optional[BaseException] = None
         self._q: "queue.Queue" = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
         # Only the own slots receive D2H copies: they alone are pinned (buddy copies arrive
         # over the CPU transport). One side stream; the main thread only records an event.
-        self._copier = d2h.Copier(torch.cuda.Stream() if self.pin else None)
+        self.copier = d2h.Copier(torch.cuda.Stream() if self.pin else None)
         self._step_done = torch.cuda.Event() if self.pin else None
         self._runs: Optional[List[d2h.Run]] = None
         self._thread = threading.Thread(target=self._loop, name="deadpool-mirror", daemon=True)
@@ -121,7 +123,7 @@ class Mirror:
 
     def copy_stats(self) -> dict:
         """Copies issued per snapshot, bytes and side-stream seconds (all snapshots)."""
-        c = self._copier
+        c = self.copier
         return {"copies": c.copies, "bytes": c.bytes, "gpu_copy_s": c.gpu_copy_s,
                 "runs": len(self._runs) if self._runs is not None else None}
 
@@ -157,29 +159,47 @@ class Mirror:
         return ok
 
     def _loop(self) -> None:
-        lower_thread_priority(threading.get_native_id())
-        if self._copier.stream is not None:
-            torch.cuda.set_device(self._copier.stream.device)
+        self.tid = threading.get_native_id()
+        lower_thread_priority(self.tid)
+        if self.copier.stream is not None:
+            torch.cuda.set_device(self.copier.stream.device)
         while True:
             item = self._q.get()
             if item is None:
                 return
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            kind, iteration, meta, event = item
             try:
-                kind, iteration, meta, event = item
+                if kind == "call":  # run_on_thread: not a snapshot job, not counted
+                    meta["result"] = iteration()
+                    continue
                 self._snapshot_job(iteration, meta, event)
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread by wait()
                 self.last_error = exc
             finally:
-                self.job_s += time.perf_counter() - t0
-                self.jobs += 1
+                if kind != "call":
+                    self.job_s += time.perf_counter() - t0
+                    self.job_cpu_s += time.thread_time() - c0
+                    self.jobs += 1
                 if self._q.empty():
                     self._idle.set()
+
+    def run_on_thread(self, fn: Callable[[], object]):
+        """``fn()`` on the mirror thread once it is idle (measurements under the thread's
+        own priority); its result. Not a snapshot job: no counter moves."""
+        self.wait()
+        box: dict = {}
+        self._idle.clear()
+        self._q.put(("call", fn, box, None))
+        self._idle.wait()
+        if "result" not in box:
+            self.wait()  # raises the call's error
+        return box.get("result")
 
     def _snapshot_job(self, iteration: int, meta: dict, event) -> None:
         idx = iteration % 2
         slot = self.own[idx]
-        self._copier.copy(slot, self._runs, event)
+        self.copier.copy(slot, self._runs, event)
         snapshot.seal(slot, self.layout, self.rank, iteration, meta, self.job)
         self.own_iter[idx] = iteration
         self._maybe_fault(iteration)
@@ -226,7 +246,8 @@ class Mirror:
         ok = True
         for o in owners:
             try:
-                snapshot.verify(self.recv[o][idx], o, iteration, job=self.job)
+                snapshot.verify(self.recv[o][idx], o, iteration, job=self.job,
+                                load_meta=False)
                 self.recv_iter[o][idx] = iteration
             except MirrorCorruptError:
                 ok = False

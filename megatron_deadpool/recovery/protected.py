@@ -8,6 +8,8 @@ state, their in-memory mirror, and every holder of a process group (``rebind.Gro
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Optional
 
 from ..errors import DeadpoolError
@@ -15,7 +17,7 @@ from ..faults import Phase as FaultPhase
 from ..megatron import shard
 from ..megatron import train_state as ts
 from ..megatron.support import check_supported
-from ..mirror import persist
+from ..mirror import cpu, persist, snapshot
 from ..mirror.mirror import Mirror
 from ..mirror.threads import lower_thread_priority, native_thread_ids
 from ..mirror.transport import GlooTransport
@@ -40,7 +42,16 @@ class Protected:
         self.bench_modes = []
         self._with_cuda = False
         self._initial_commit_pending = False
+        self._main_tid: Optional[int] = None
         self._suppressor: Optional[CollectiveSuppressor] = None
+        # CPU accounting (mirror/cpu.py): the main thread's mirror share, the mirror
+        # group's gloo threads, window samples from the CPU_WINDOW_START-th snapshot on
+        self._main_mirror_s = 0.0
+        self._gloo_tids: set = set()
+        self._cpu_start: Optional[cpu.Sample] = None
+        self._cpu_last: Optional[cpu.Sample] = None
+
+    CPU_WINDOW_START = 3  # steps before it (startup, first allocations) are not counted
 
     def quiet_startup(self) -> None:
         """A promoted spare builds its model without talking to anyone (see quiet.py)."""
@@ -57,6 +68,7 @@ class Protected:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.train_state = train_state
         self._with_cuda = handle.device.type == "cuda"
+        self._main_tid = threading.get_native_id()  # the training main thread
         self._wrap_optimizer_step(optimizer, fault_points)
         self.slots = GroupSlots([model, optimizer])
         if self.slots.unknown:
@@ -76,9 +88,12 @@ class Protected:
         self._initial_commit_pending = True
 
     def _connect_mirror(self, plan) -> None:
-        before = native_thread_ids("gloo_tcp_loop")
+        names = cpu.GLOO_THREAD_NAMES
+        before = set().union(*(native_thread_ids(n) for n in names))
         transport = GlooTransport(timeout_s=self.collective_timeout_s)
-        for tid in native_thread_ids("gloo_tcp_loop") - before:  # the mirror group's I/O
+        # the mirror group's I/O thread and workers (training groups' threads existed before)
+        self._gloo_tids = set().union(*(native_thread_ids(n) for n in names)) - before
+        for tid in self._gloo_tids:
             lower_thread_priority(tid)
         self.mirror.set_topology(transport, plan.node_of_rank)
 
@@ -87,7 +102,9 @@ class Protected:
 
         def step(*args, **kwargs):
             fault_points(self.train_state.iteration + 1, FaultPhase.OPTIMIZER)
+            c0 = time.thread_time()
             self.mirror.wait()  # the snapshot of the previous step must be committed
+            self._main_mirror_s += time.thread_time() - c0
             return orig(*args, **kwargs)
 
         optimizer.step = step
@@ -103,16 +120,37 @@ class Protected:
             self.mirror.refresh_sources()  # the first step creates the optimizer state
 
     def after_step(self, iteration: int, mirror_on: bool = True) -> None:
+        c0 = time.thread_time()
         self.iteration = iteration
         self.bench_modes.append("on" if mirror_on else "off")
+        if len(self.bench_modes) == self.CPU_WINDOW_START:
+            self._cpu_start = self._cpu_sample(c0, with_threads=True)
         if mirror_on:
             self.mirror.begin(iteration, self._meta(iteration))
+        c1 = time.thread_time()
+        self._main_mirror_s += c1 - c0
+        self._cpu_last = self._cpu_sample(c1)
+
+    def _cpu_sample(self, main_s: float, with_threads: bool = False) -> cpu.Sample:
+        s = cpu.Sample(main_s, self._main_mirror_s, len(self.bench_modes))
+        if with_threads:
+            m = self.mirror
+            s.jobs = m.jobs
+            s.parts = {"mirror_thread": m.job_cpu_s, "checksum_pool": snapshot.pool_cpu_s(),
+                       "gloo": cpu.threads_cpu_s(self._gloo_tids)}
+        return s
 
     def _meta(self, iteration: int) -> dict:
-        meta = ts.capture(iteration, self.train_state, self.scheduler, self.optimizer,
-                          with_cuda=self._with_cuda)
-        meta["optimizer_state_empty"] = shard.optimizer_state_empty(self.optimizer)
-        meta["param_groups"] = shard.group_state(self.optimizer)
+        import torch
+
+        # Reading RNG states and counters needs no torch-function override: CPU mode's
+        # device-rewriting mode would cost ~35 us of Python dispatch here, every step.
+        with torch._C.DisableTorchFunction():
+            meta = ts.capture(iteration, self.train_state, self.scheduler, self.optimizer,
+                              with_cuda=self._with_cuda)
+            meta["rng"] = ts.compact_rng(meta["rng"])
+            meta["optimizer_state_empty"] = shard.optimizer_state_empty(self.optimizer)
+            meta["param_groups"] = shard.group_state(self.optimizer)
         return meta
 
     # ---------------------------------------------------------------- recovery
@@ -126,6 +164,7 @@ class Protected:
         group and placement."""
         self.slots.rebind()
         self._connect_mirror(plan)
+        self._cpu_start = None  # new gloo threads: the CPU window does not span a recovery
 
     def restore(self, rank: int) -> int:
         """Restore the newest iteration held for every rank (``restore.py``); returns it."""
@@ -163,13 +202,26 @@ class Protected:
         if m is None:
             return {}
         m.wait()
-        return {"mirror_waits": m.waits, "mirror_wait_s": m.wait_s, "mirror_jobs": m.jobs,
+        return {**self._cost_info(m), "mirror_waits": m.waits, "mirror_wait_s": m.wait_s, "mirror_jobs": m.jobs,
                 "mirror_job_s": m.job_s, "bench_modes": self.bench_modes,
                 "host_bytes": m.host_bytes, "pinned_bytes": m.pinned_bytes,
                 "mirror_bytes": m.layout.total_bytes if m.layout else 0,
                 "mirror_tensor_bytes": m.layout.tensor_bytes if m.layout else 0,
                 "mirror_copies": m.copy_stats(),
                 "committed": m.committed}
+
+    def _cost_info(self, m: Mirror) -> dict:
+        """``mirror_cpu`` (mirror/cpu.py) over the steps from CPU_WINDOW_START on, and the
+        snapshot's copy bandwidth against a plain copy of the same bytes (host slots)."""
+        out = {"main_tid": self._main_tid, "gloo_tids": sorted(self._gloo_tids)}
+        if self._cpu_start is not None and self._cpu_last is not None:
+            end = self._cpu_sample(0.0, with_threads=True)
+            out["mirror_cpu"] = cpu.window(self._cpu_start, self._cpu_last, end)
+        if m.layout is not None and m.jobs:
+            n = m.layout.tensor_bytes
+            calib = None if m.pin else m.run_on_thread(lambda: cpu.calibrate(n))
+            out["snapshot"] = cpu.snapshot_stats(m.copier.copy_times, n, calib)
+        return out
 
     def close(self) -> None:
         if self.mirror is not None:
