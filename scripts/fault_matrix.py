@@ -52,6 +52,7 @@ def main() -> int:
             p, summary = launch(work, trainer_flags(layout, s.flags, s.iters), spares=s.spares,
                                 inject=s.inject, name=f"{layout}-{s.name}")
             cells[(s.name, layout)] = judge(s, p.returncode, summary, refs[s.iters])
+            (work / f"{layout}-{s.name}.log").write_text(p.stdout + p.stderr)  # for a post-mortem
             recs = [r for r in (summary or {}).get("recoveries", []) if not r.get("superseded")]
             total_s[(s.name, layout)] = max((r["total_s"] for r in recs), default=None)
             print(f"{layout:12s} {s.name:28s} {cells[(s.name, layout)]} "
