@@ -28,25 +28,31 @@ def _port_pair():
                     continue
 
 
-@pytest.mark.ci
-def test_one_agent_per_node_with_spare_node(tmp_path, reference):
-    flags = layout_flags(1, 1, 8, world=2)
-    ref = reference(flags, nodes=2, ppn=1)
+def _two_nodes_and_a_spare(tmp_path, flags, ppn, inject):
+    """One `deadpool launch --node-rank I` agent per node (2 nodes + 1 spare node), as srun
+    starts them; returns node 0's summary and every agent's output."""
     port = _port_pair()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), DEADPOOL_TOKEN="t0k")
     procs = []
     for node in range(3):
         args = [sys.executable, "-m", "megatron_deadpool.cli", "launch", "--nodes", "2",
-                "--procs-per-node", "1", "--spare-nodes", "1", "--node-rank", str(node),
+                "--procs-per-node", str(ppn), "--spare-nodes", "1", "--node-rank", str(node),
                 "--master-addr", "127.0.0.1", "--master-port", str(port),
-                "--results-dir", str(tmp_path / "res"), "--inject", "kill:node=1@iter=4",
+                "--results-dir", str(tmp_path / "res"), "--inject", inject,
                 "--summary-json", str(tmp_path / f"node{node}.json"), "--",
                 *flags, "--deadpool"]
         procs.append(subprocess.Popen(args, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=400)[0] for p in procs]
     assert procs[0].returncode == 0, outs[0][-4000:]
-    s = json.loads((tmp_path / "node0.json").read_text())
+    return json.loads((tmp_path / "node0.json").read_text()), outs
+
+
+@pytest.mark.ci
+def test_one_agent_per_node_with_spare_node(tmp_path, reference):
+    flags = layout_flags(1, 1, 8, world=2)
+    ref = reference(flags, nodes=2, ppn=1)
+    s, _ = _two_nodes_and_a_spare(tmp_path, flags, ppn=1, inject="kill:node=1@iter=4")
     assert s["final_state_sha256"] == ref["final_state_sha256"]
     (rec,) = s["recoveries"]
     assert rec["failed_ranks"] == [1] and rec["spare_of_rank"] == {"1": 2}
@@ -59,21 +65,7 @@ def test_a_worker_failure_on_a_node_agent_leaves_its_other_workers_alone(tmp_pat
     rank 2 only."""
     flags = layout_flags(1, 2, 8, world=4)
     ref = reference(flags, nodes=2, ppn=2)
-    port = _port_pair()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), DEADPOOL_TOKEN="t0k")
-    procs = []
-    for node in range(3):
-        args = [sys.executable, "-m", "megatron_deadpool.cli", "launch", "--nodes", "2",
-                "--procs-per-node", "2", "--spare-nodes", "1", "--node-rank", str(node),
-                "--master-addr", "127.0.0.1", "--master-port", str(port),
-                "--results-dir", str(tmp_path / "res"), "--inject", "kill:rank=2@iter=4",
-                "--summary-json", str(tmp_path / f"node{node}.json"), "--",
-                *flags, "--deadpool"]
-        procs.append(subprocess.Popen(args, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=400)[0] for p in procs]
-    assert procs[0].returncode == 0, outs[0][-4000:]
-    s = json.loads((tmp_path / "node0.json").read_text())
+    s, outs = _two_nodes_and_a_spare(tmp_path, flags, ppn=2, inject="kill:rank=2@iter=4")
     assert s["final_state_sha256"] == ref["final_state_sha256"]
     (rec,) = s["recoveries"]
     assert rec["failed_ranks"] == [2] and set(rec["spare_of_rank"]) == {"2"}, rec
