@@ -3,7 +3,7 @@ timed unit test.
 
 * ``overhead``: the same config with the mirror off and on, interleaved (off, on, off, on,
   ...), median step time of each and the ratio.
-* ``recovery``: the demo's hot swap, per-phase recovery time.
+* ``recovery``: in ``bench_recovery.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import List, Optional
 from .demo import DEMO_FLAGS
 from .launch.launcher import LaunchOptions, run
 from .launch.summary import read_rank_results
-from .recovery.phases import PHASE_ORDER
 
 WARMUP_ITERS = 3
 IN_RUN_ITERS = 150  # 37 blocks of 4: ~55 kept steps per mode
@@ -204,28 +203,3 @@ def in_run(argv: List[str], nodes: int, procs_per_node: int, block: int = IN_RUN
             "block": block, "blocks": len(blocks), "steps_on": len(by["on"]),
             "steps_off": len(by["off"]), "pair_ratio_p25": q[0], "pair_ratio_median": q[1],
             "pair_ratio_p75": q[2], **mirror_cost(work, nodes * procs_per_node)}
-
-
-def recovery(repeats: int = 1) -> dict:
-    work = tempfile.mkdtemp(prefix="deadpool-bench-")
-    runs = []
-    for i in range(repeats):
-        s = run(LaunchOptions(nodes=4, procs_per_node=2, spare_nodes=1,
-                              inject=["kill:node=1@iter=12"],
-                              results_dir=os.path.join(work, f"run{i}"),
-                              trainer_argv=DEMO_FLAGS + ["--train-iters", "20", "--deadpool"],
-                              quiet=True), out=open(os.path.join(work, "workers.log"), "a"))
-        if not s["ok"] or not s.get("recoveries"):
-            raise RuntimeError(f"recovery benchmark run {i} failed: {s['error']}")
-        runs.append(s["recoveries"][0])
-        print(f"run {i + 1}/{repeats}: recovery total {runs[-1]['total_s']:.3f} s "
-              f"{runs[-1]['phases_s']}", flush=True)
-    result = {
-        "config": "demo: TP2 PP2 DP2, 4 nodes x 2 + 1 spare node, kill node 1 at iteration 12",
-        "total_s_median": statistics.median(r["total_s"] for r in runs),
-        "phases_s_median": {ph: statistics.median(r["phases_s"].get(ph, 0.0) for r in runs)
-                            for ph in PHASE_ORDER},
-        "runs": runs,
-    }
-    print(f"recovery total (median of {repeats}): {result['total_s_median']:.3f} s", flush=True)
-    return result

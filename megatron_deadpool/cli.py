@@ -122,9 +122,13 @@ def _add_bench(sub) -> None:
     bo.add_argument("--in-run-iters", type=int, default=150,
                     help="also measure on/off in alternating blocks inside one job of this "
                          "many iterations (0: skip)")
-    br = bsub.add_parser("recovery", help="recovery time of the demo config, per phase")
+    br = bsub.add_parser("recovery", help="per-phase recovery time of a node kill against "
+                         "world size (medians, min-max), and a hang's detection latency")
     br.add_argument("--json", default=None, metavar="FILE")
-    br.add_argument("--repeats", type=int, default=1)
+    br.add_argument("--repeats", type=int, default=3, help="runs per world size")
+    br.add_argument("--world-sizes", default="4,8,16", metavar="W,W,...",
+                    help="processes (multiples of 4: TP2 x PP2 x DP W/4); default %(default)s")
+    br.add_argument("--no-hang", action="store_true", help="skip the SIGSTOP run")
 
 
 def _run_launch(args, rest: List[str]) -> int:
@@ -185,7 +189,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                                         procs_per_node=args.procs_per_node,
                                         in_run_iters=args.in_run_iters)
             else:
-                result = bench.recovery(repeats=args.repeats)
+                from .bench_recovery import recovery
+
+                result = recovery(repeats=args.repeats, hang=not args.no_hang,
+                                  world_sizes=_int_list(args.world_sizes, "--world-sizes"))
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(result, f, indent=2)
@@ -194,6 +201,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"deadpool: error: {exc}", file=sys.stderr, flush=True)
         return 2
     return 2
+
+
+def _int_list(text: str, flag: str) -> List[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise DeadpoolError(f"{flag} takes comma-separated integers, got {text!r}") from None
 
 
 def _preset_path(name: str) -> Path:

@@ -27,7 +27,7 @@ LAYERS = [
                             "megatron.tree"]),
     ("launch", ["launch.agent", "launch.options", "launch.fault_driver", "launch.summary",
                 "launch.launcher", "launch.child"]),
-    ("applications", ["demo", "soak", "bench", "report", "cli"]),
+    ("applications", ["demo", "soak", "bench", "bench_recovery", "report", "cli"]),
 ]
 LAYER_OF = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
 MAX_MODULE_LINES = 320

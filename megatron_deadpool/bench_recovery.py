@@ -1,0 +1,121 @@
+"""``deadpool bench recovery``: the hot swap's per-phase recovery time against world size.
+
+For each world size W (processes; 2 per simulated node, TP2 x PP2 x DP W/4, one spare node)
+the demo model is trained and node 1 is SIGKILLed at a fixed iteration, ``repeats`` times.
+A run's phase time is the slowest rank's (``launch/summary.py``); its total is the sum of
+the phases. Per world size the medians and min-max of each phase and of the total::
+
+    {"runs": [{"world_size": 8, "phases_s": {"detect": {"median", "min", "max"}, ...},
+               "total_s_median": ..., "total_s": {...}, "samples": [...]}, ...],
+     "hang": {"heartbeat_timeout_s": ..., "detect_s": ..., "goal_s": ...}}
+
+``hang``: one run at the middle world size where a rank is SIGSTOPped instead: its
+detection latency against the configured heartbeat timeout (goal: timeout + 0.5 s).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+from typing import Dict, List, Optional, Sequence
+
+from .demo import DEMO_FLAGS
+from .errors import DeadpoolError
+from .launch.launcher import LaunchOptions, run
+from .launch.summary import read_rank_results
+from .recovery.phases import PHASE_ORDER
+
+PROCS_PER_NODE = 2
+KILL_ITER, TRAIN_ITERS = 8, 12
+HANG_TIMEOUT_S = 2.0
+CONFIG = ("demo model, TP2 x PP2 x DP W/4, W/2 nodes x 2 processes + 1 spare node, node 1 "
+          f"SIGKILLed at iteration {KILL_ITER}; a phase's time is the slowest rank's")
+
+
+def check_world_sizes(world_sizes: Sequence[int]) -> List[int]:
+    """Pure: TP2 x PP2 needs W a multiple of 4, and node 1 must exist (W >= 4)."""
+    out = sorted(set(world_sizes))
+    bad = [w for w in out if w < 4 or w % 4]
+    if not out or bad:
+        raise DeadpoolError(f"--world-sizes must be multiples of 4 (TP2 x PP2), >= 4; got "
+                            f"{list(world_sizes)}")
+    return out
+
+
+def spread(values: Sequence[float]) -> Dict[str, float]:
+    return {"median": round(statistics.median(values), 4), "min": round(min(values), 4),
+            "max": round(max(values), 4)}
+
+
+def aggregate(world_size: int, samples: List[dict], shard_bytes: Optional[int]) -> dict:
+    """Pure: one world size's runs (each a launch summary's first recovery) -> medians."""
+    phases = {ph: spread([s["phases_s"].get(ph, 0.0) for s in samples]) for ph in PHASE_ORDER}
+    totals = [s["total_s"] for s in samples]
+    return {"world_size": world_size, "nodes": world_size // PROCS_PER_NODE, "spare_nodes": 1,
+            "repeats": len(samples), "phases_s": phases,
+            "total_s_median": round(statistics.median(totals), 4), "total_s": spread(totals),
+            "shard_bytes_per_rank": shard_bytes,
+            "samples": [{"phases_s": s["phases_s"], "total_s": s["total_s"]} for s in samples]}
+
+
+def _one(work: str, tag: str, world_size: int, inject: str, extra: List[str], log) -> dict:
+    rd = os.path.join(work, tag)
+    argv = DEMO_FLAGS + ["--train-iters", str(TRAIN_ITERS), "--deadpool", "--deadpool-events",
+                         os.path.join(work, f"{tag}.events.jsonl")] + extra
+    s = run(LaunchOptions(nodes=world_size // PROCS_PER_NODE, procs_per_node=PROCS_PER_NODE,
+                          spare_nodes=1, inject=[inject], results_dir=rd, trainer_argv=argv,
+                          quiet=True), out=log)
+    if not s["ok"] or not s.get("recoveries"):
+        raise DeadpoolError(f"recovery benchmark run {tag} failed: {s['error']} (worker "
+                            f"output: {log.name})")
+    ranks = read_rank_results(rd, world_size)
+    s["recoveries"][0]["shard_bytes"] = max(x.get("mirror_tensor_bytes", 0) for x in ranks)
+    return s["recoveries"][0]
+
+
+def _print_run(w: int, i: int, repeats: int, rec: dict) -> None:
+    ph = " ".join(f"{p} {rec['phases_s'].get(p, 0.0):.3f}" for p in PHASE_ORDER)
+    print(f"W={w:<3} run {i + 1}/{repeats}: total {rec['total_s']:.3f} s | {ph}", flush=True)
+
+
+def recovery(repeats: int = 3, world_sizes: Sequence[int] = (4, 8, 16),
+             hang: bool = True) -> dict:
+    sizes = check_world_sizes(world_sizes)
+    if repeats < 1:
+        raise DeadpoolError("--repeats must be >= 1")
+    work = tempfile.mkdtemp(prefix="deadpool-bench-recovery-")
+    log = open(os.path.join(work, "workers.log"), "a")
+    print(f"[bench recovery] world sizes {sizes}, {repeats} run(s) each; worker output in "
+          f"{log.name}", flush=True)
+    runs = []
+    for w in sizes:
+        samples = []
+        for i in range(repeats):
+            samples.append(_one(work, f"w{w}-run{i}", w, f"kill:node=1@iter={KILL_ITER}", [],
+                                log))
+            _print_run(w, i, repeats, samples[-1])
+        runs.append(aggregate(w, samples, samples[-1]["shard_bytes"]))
+        print(f"W={w}: median total {runs[-1]['total_s_median']:.3f} s", flush=True)
+    result = {"config": CONFIG, "runs": runs, "work_dir": work}
+    if hang:
+        result["hang"] = _hang(work, sizes[len(sizes) // 2], log)
+    print(f"[bench recovery] worker output in {log.name}", flush=True)
+    return result
+
+
+def _hang(work: str, world_size: int, log) -> dict:
+    """A SIGSTOPped rank: detected by its stale heartbeat, so detection is bounded below by
+    the heartbeat timeout; the goal is the timeout + 0.5 s."""
+    rec = _one(work, f"w{world_size}-hang", world_size, f"stop:rank=3@iter={KILL_ITER}",
+               ["--deadpool-heartbeat-timeout", str(HANG_TIMEOUT_S)], log)
+    detect = rec["phases_s"]["detect"]
+    out = {"world_size": world_size, "heartbeat_timeout_s": HANG_TIMEOUT_S,
+           "detect_s": detect, "goal_s": HANG_TIMEOUT_S + 0.5,
+           "detect_over_timeout_s": round(detect - HANG_TIMEOUT_S, 4),
+           "within_goal": detect <= HANG_TIMEOUT_S + 0.5, "phases_s": rec["phases_s"],
+           "total_s": rec["total_s"]}
+    print(f"hang (SIGSTOP, W={world_size}): detect {detect:.3f} s against a heartbeat timeout "
+          f"of {HANG_TIMEOUT_S} s (goal <= {out['goal_s']} s); total {rec['total_s']:.3f} s",
+          flush=True)
+    return out
