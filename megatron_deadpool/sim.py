@@ -222,11 +222,16 @@ def poisson_cdf(k: int, mu: float) -> float:
 
 
 def spares_needed(mu: float, target: float) -> Tuple[int, float]:
-    """Smallest n with P(Poisson(mu) <= n) >= target, and that probability."""
-    n = max(0, int(mu - 10 * math.sqrt(mu)))
-    while poisson_cdf(n, mu) < target:
+    """Smallest n with P(Poisson(mu) <= n) >= target, and that probability (one pass)."""
+    if mu <= 0:
+        return 0, 1.0
+    n, term = 0, math.exp(-mu)
+    p = term
+    while p < target and not (term == 0.0 and n > mu):
         n += 1
-    return n, poisson_cdf(n, mu)
+        term = math.exp(-mu + n * math.log(mu) - math.lgamma(n + 1))
+        p += term
+    return n, min(1.0, p)
 
 
 def spares(cfg: SimConfig) -> Dict:

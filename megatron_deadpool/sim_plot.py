@@ -68,7 +68,8 @@ def plot(cfg: sim.SimConfig, measured_path, path: str) -> str:
         raise DeadpoolError("--plot needs matplotlib: pip install -e .[report]") from None
     gpus = sweep_gpus(cfg)
     scfg = dataclasses.replace(cfg, gpus=tuple(gpus))
-    laws = sim.fit_phases(sim.load_measured(measured_path)["runs"], scfg)
+    measured = sim.load_measured(measured_path)
+    laws = sim.fit_phases(measured["runs"], scfg)
     at = [sim.strategies_at(scfg, laws, g) for g in gpus]
     fig, ax = plt.subplots(figsize=(8, 5.2))
     for s in sim.STRATEGIES:
@@ -92,7 +93,9 @@ def plot(cfg: sim.SimConfig, measured_path, path: str) -> str:
                f"extrapolated (docs/simulator.md)")
     fig.text(0.01, 0.01, caption, fontsize=7, va="bottom")
     fig.subplots_adjust(bottom=0.2)
-    ax.set_title("deadpool sim: goodput against scale")
+    ax.set_title("deadpool sim: goodput against scale" + (
+        "\n(recovery phases from a PLACEHOLDER file, not a measurement)"
+        if measured["placeholder"] else ""))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
