@@ -81,18 +81,18 @@ def plot(cfg: sim.SimConfig, measured_path, path: str) -> str:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower left")
     a = cfg.assumptions()
-    ckpt = (f"{a['checkpoint_interval_min']:g} min" if a["checkpoint_interval_min"]
-            else "Young optimum")
+    ckpt = (f"every {a['checkpoint_interval_min']:g} min" if a["checkpoint_interval_min"]
+            else "at Young's optimum interval")
     caption = (f"Assumptions: {a['model_params'] / 1e9:g} B params, TP{cfg.tp} PP{cfg.pp}, "
-               f"{cfg.gpus_per_node} GPUs/node, node MTBF {a['node_mtbf_hours']:g} h, "
-               f"iteration {cfg.iteration_s:g} s, link {cfg.link_gbps:g} Gb/s/GPU, "
-               f"mirror overhead {cfg.mirror_overhead:g};\ncheckpoint write "
-               f"{cfg.checkpoint_write_s:g} s every {ckpt}, restart {cfg.restart_cost_s:g} s, "
-               f"in-process restart {cfg.inprocess_restart_s:g} s + reload "
-               f"{cfg.checkpoint_load_s:g} s; hot swap phases: CPU-measured scaling law "
-               f"extrapolated (docs/simulator.md)")
+               f"{cfg.gpus_per_node} GPUs/node, node MTBF {a['node_mtbf_hours']:.0f} h, "
+               f"iteration {cfg.iteration_s:g} s (half redone per failure), link "
+               f"{cfg.link_gbps:g} Gb/s per GPU;\nmirror overhead {cfg.mirror_overhead:g}, "
+               f"checkpoint write {cfg.checkpoint_write_s:g} s {ckpt}, restart "
+               f"{cfg.restart_cost_s:g} s, in-process restart {cfg.inprocess_restart_s:g} s "
+               f"+ reload {cfg.checkpoint_load_s:g} s;\nhot swap phases: scaling law fitted "
+               f"to the CPU-measured recovery phases, extrapolated (docs/simulator.md)")
     fig.text(0.01, 0.01, caption, fontsize=7, va="bottom")
-    fig.subplots_adjust(bottom=0.2)
+    fig.subplots_adjust(bottom=0.24)
     ax.set_title("deadpool sim: goodput against scale" + (
         "\n(recovery phases from a PLACEHOLDER file, not a measurement)"
         if measured["placeholder"] else ""))
