@@ -11,7 +11,7 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "megatron_deadpool"
 
 # Bottom to top. A module may import from its own layer and the layers below it.
 LAYERS = [
-    ("foundations", ["errors", "faults", "config", "worker_env", "planning"]),
+    ("foundations", ["errors", "faults", "config", "worker_env", "planning", "scaling"]),
     ("mechanisms", ["membership.auth", "membership.assign", "membership.plan",
                     "membership.procs", "membership.local_restart",
                     "membership.store", "mirror.placement", "mirror.snapshot",
@@ -27,7 +27,8 @@ LAYERS = [
                             "megatron.tree"]),
     ("launch", ["launch.agent", "launch.options", "launch.fault_driver", "launch.summary",
                 "launch.launcher", "launch.child"]),
-    ("applications", ["demo", "soak", "bench", "bench_recovery", "report", "cli"]),
+    ("applications", ["demo", "soak", "bench", "bench_recovery", "report", "sim", "sim_plot",
+                      "cli"]),
 ]
 LAYER_OF = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
 MAX_MODULE_LINES = 320

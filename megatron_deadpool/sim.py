@@ -1,0 +1,286 @@
+"""``deadpool sim``: a goodput model of a training job at scale (pure functions; the model,
+its formulas and every default's source are in docs/simulator.md).
+
+    measured recovery phases (bench recovery, CPU world sizes) ─► per-phase scaling law
+        (scaling.py) ─► hot swap time lost per failure at W GPUs (+ bandwidth, redone step)
+    failures at rate nodes / node MTBF ─► goodput of hot swap, checkpoint/restart and
+        in-process restart; Poisson spare count; leave-one-out validation against the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from . import scaling
+from .errors import ConfigError, DeadpoolError
+from .recovery.phases import PHASE_ORDER
+
+DEFAULT_GPUS = (512, 4096, 100000)
+STRATEGIES = ("hotswap", "checkpoint_restart", "inprocess_restart")
+# Llama 3 (arXiv 2407.21783, sec. 3.3.4): 419 unexpected interruptions in 54 days, 16,384 GPUs.
+LLAMA3_GPU_MTBF_H = 16384 * 54 * 24 / 419
+SHARD_BYTES_PER_PARAM = 12   # fp32 main params + Adam exp_avg + exp_avg_sq (distributed opt.)
+MODEL_BYTES_PER_PARAM = 2    # bf16 model params (per TP x PP rank, not sharded over DP)
+TOLERANCE = 0.25
+
+
+class SimError(ConfigError):
+    """Invalid simulator input, detected before anything is computed."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """All inputs of the model (echoed under ``assumptions`` in the output)."""
+
+    gpus: Tuple[int, ...] = DEFAULT_GPUS
+    gpus_per_node: int = 4
+    model_params: float = 70e9
+    tp: int = 4
+    pp: int = 8
+    node_mtbf_hours: Optional[float] = None   # None: Llama 3 per-GPU MTBF / gpus_per_node
+    spare_nodes: Optional[int] = None          # given: P(never running out) is reported
+    target_probability: float = 0.99
+    job_hours: float = 720.0
+    repair_hours: Optional[float] = None       # None: failed nodes do not return in the job
+    link_gbps: float = 200.0                   # inter-node, per GPU
+    checkpoint_interval_min: Optional[float] = None   # None: Young's optimum per scale
+    checkpoint_write_s: float = 60.0
+    checkpoint_load_s: float = 60.0
+    restart_cost_s: float = 600.0
+    inprocess_restart_s: float = 5.0
+    iteration_s: float = 5.0
+    mirror_overhead: float = 0.01
+    measured_link_gbps: float = 8.0            # bench recovery's transport (CPU, loopback)
+
+    def __post_init__(self):
+        if not self.gpus:
+            raise SimError("--gpus needs at least one GPU count")
+        for name in ("gpus_per_node", "tp", "pp"):
+            if getattr(self, name) < 1:
+                raise SimError(f"--{name.replace('_', '-')} must be >= 1")
+        for g in self.gpus:
+            if g < 1 or g % self.gpus_per_node:
+                raise SimError(f"{g} GPUs is not a multiple of --gpus-per-node "
+                               f"{self.gpus_per_node}")
+            if g % (self.tp * self.pp):
+                raise SimError(f"layout TP{self.tp} x PP{self.pp} = {self.tp * self.pp} "
+                               f"does not divide {g} GPUs")
+        positive = ("model_params", "job_hours", "link_gbps", "iteration_s",
+                    "measured_link_gbps", "node_mtbf_hours", "checkpoint_interval_min",
+                    "repair_hours")
+        for name in positive:
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise SimError(f"--{name.replace('_', '-')} must be > 0, got {v}")
+        for name in ("checkpoint_write_s", "checkpoint_load_s", "restart_cost_s",
+                     "inprocess_restart_s"):
+            if not getattr(self, name) >= 0:
+                raise SimError(f"--{name.replace('_', '-')} must be >= 0")
+        if not 0 < self.target_probability < 1:
+            raise SimError(f"--target-probability must be in (0, 1), got "
+                           f"{self.target_probability}")
+        if not 0 <= self.mirror_overhead < 1:
+            raise SimError("--mirror-overhead must be in [0, 1)")
+        if self.spare_nodes is not None and self.spare_nodes < 0:
+            raise SimError("--spare-nodes must be >= 0")
+
+    @property
+    def node_mtbf_h(self) -> float:
+        return self.node_mtbf_hours or LLAMA3_GPU_MTBF_H / self.gpus_per_node
+
+    def assumptions(self) -> Dict:
+        out = dataclasses.asdict(self)
+        out["gpus"] = list(self.gpus)
+        out["node_mtbf_hours"] = round(self.node_mtbf_h, 1)
+        out["node_mtbf_source"] = ("--node-mtbf-hours" if self.node_mtbf_hours else
+                                   "Llama 3 per-GPU MTBF (16384 GPUs x 54 days / 419 "
+                                   "unexpected interruptions) / gpus_per_node")
+        return out
+
+
+def shard_bytes_per_rank(cfg: SimConfig, gpus: int) -> float:
+    """Bytes a replacement rank receives: its distributed-optimizer shard plus bf16 params."""
+    mp = cfg.tp * cfg.pp
+    dp = gpus // mp
+    return cfg.model_params * (SHARD_BYTES_PER_PARAM / (mp * dp) + MODEL_BYTES_PER_PARAM / mp)
+
+
+def _transfer_s(nbytes: float, gbps: float) -> float:
+    return nbytes * 8 / (gbps * 1e9)
+
+
+def load_measured(path) -> Dict:
+    """The ``bench recovery --json`` file; DeadpoolError naming the problem if unusable."""
+    p = Path(path)
+    if not p.exists():
+        raise DeadpoolError(f"measured recovery file {p} not found: run `deadpool bench "
+                            f"recovery --json {p.name}` and pass it with --measured")
+    try:
+        data = json.loads(p.read_text())
+        runs = [_run_point(r) for r in data["runs"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DeadpoolError(f"{p}: not a bench recovery result ({exc!r})") from None
+    if len({r["world_size"] for r in runs}) < 2:
+        raise DeadpoolError(f"{p}: need runs at >= 2 distinct world sizes to fit scaling")
+    return {"runs": runs, "placeholder": bool(data.get("placeholder"))}
+
+
+def _run_point(r: Dict) -> Dict:
+    def med(v):
+        return float(v["median"] if isinstance(v, dict) else v)
+
+    phases = {ph: med(r["phases_s"][ph]) for ph in PHASE_ORDER}
+    return {"world_size": int(r["world_size"]), "phases_s": phases,
+            "total_s": float(r.get("total_s_median", sum(phases.values()))),
+            "shard_bytes": r.get("shard_bytes_per_rank")}
+
+
+def fit_phases(runs: List[Dict], cfg: SimConfig) -> Dict[str, scaling.Law]:
+    """One law per phase; restore_state's is its latency part (the bytes term removed when
+    the runs carry shard_bytes_per_rank)."""
+    ws = [r["world_size"] for r in runs]
+    laws = {}
+    for ph in PHASE_ORDER:
+        ys = [r["phases_s"][ph] for r in runs]
+        if ph == "restore_state":
+            ys = [max(0.0, y - _transfer_s(r["shard_bytes"] or 0, cfg.measured_link_gbps))
+                  for y, r in zip(ys, runs)]
+        laws[ph] = scaling.fit(ws, ys)
+    return laws
+
+
+def predict_phases(laws: Dict[str, scaling.Law], w: int, nbytes: float,
+                   gbps: float) -> Dict[str, float]:
+    out = {ph: max(0.0, laws[ph](w)) for ph in PHASE_ORDER}
+    out["restore_state"] += _transfer_s(nbytes, gbps)
+    return out
+
+
+def _entry(w: int, predicted: float, measured: float) -> Dict:
+    err = (predicted - measured) / measured if measured > 0 else math.inf
+    return {"predicted_total_s": round(predicted, 4), "rel_error": round(err, 4),
+            "within_25pct": abs(err) <= TOLERANCE}
+
+
+def validate(runs: List[Dict], cfg: SimConfig) -> List[Dict]:
+    """Per measured W: leave-one-out prediction (fit without that W) and in-sample."""
+    full = fit_phases(runs, cfg)
+    out = []
+    for w in sorted({r["world_size"] for r in runs}):
+        mine = [r for r in runs if r["world_size"] == w]
+        measured = sum(r["total_s"] for r in mine) / len(mine)
+        nbytes = mine[0]["shard_bytes"] or 0
+        loo = fit_phases([r for r in runs if r["world_size"] != w], cfg)
+        e = {"world_size": w, "method": "leave-one-out",
+             **_entry(w, sum(predict_phases(loo, w, nbytes, cfg.measured_link_gbps)
+                             .values()), measured),
+             "measured_total_s": round(measured, 4)}
+        ins = _entry(w, sum(predict_phases(full, w, nbytes, cfg.measured_link_gbps)
+                            .values()), measured)
+        e.update({f"in_sample_{k}": v for k, v in ins.items()})
+        out.append(e)
+    return out
+
+
+def checkpoint_interval_s(cfg: SimConfig, system_mtbf_s: float) -> float:
+    """The given interval, or Young's optimum sqrt(2 * write * MTBF) (>= one iteration)."""
+    if cfg.checkpoint_interval_min is not None:
+        return cfg.checkpoint_interval_min * 60
+    return max(math.sqrt(2 * cfg.checkpoint_write_s * system_mtbf_s), cfg.iteration_s)
+
+
+def strategies_at(cfg: SimConfig, laws: Dict[str, scaling.Law], gpus: int) -> Dict:
+    """Time lost per failure, steady overhead and goodput of each strategy at ``gpus``."""
+    nodes = gpus // cfg.gpus_per_node
+    rate = nodes / (cfg.node_mtbf_h * 3600)          # failures per second
+    tau = checkpoint_interval_s(cfg, 1 / rate)
+    ckpt_overhead = cfg.checkpoint_write_s / tau
+    phases = predict_phases(laws, gpus, shard_bytes_per_rank(cfg, gpus), cfg.link_gbps)
+    redone = cfg.iteration_s / 2
+    lost = {"hotswap": sum(phases.values()) + redone,
+            "checkpoint_restart": cfg.restart_cost_s + tau / 2,
+            "inprocess_restart": cfg.inprocess_restart_s + cfg.checkpoint_load_s + tau / 2}
+    overhead = {"hotswap": cfg.mirror_overhead, "checkpoint_restart": ckpt_overhead,
+                "inprocess_restart": ckpt_overhead}
+    good = {s: max(0.0, (1 - min(1.0, overhead[s])) * (1 - rate * lost[s]))
+            for s in STRATEGIES}
+    return {"nodes": nodes, "failures_per_day": rate * 86400, "lost": lost, "goodput": good,
+            "overhead": overhead, "checkpoint_interval_s": tau,
+            "hotswap_breakdown_s": {**phases, "redone_iteration": redone}}
+
+
+def poisson_cdf(k: int, mu: float) -> float:
+    if mu <= 0:
+        return 1.0
+    return min(1.0, math.fsum(math.exp(-mu + i * math.log(mu) - math.lgamma(i + 1))
+                              for i in range(k + 1)))
+
+
+def spares_needed(mu: float, target: float) -> Tuple[int, float]:
+    """Smallest n with P(Poisson(mu) <= n) >= target, and that probability (one pass)."""
+    if mu <= 0:
+        return 0, 1.0
+    n, term = 0, math.exp(-mu)
+    p = term
+    while p < target and not (term == 0.0 and n > mu):
+        n += 1
+        term = math.exp(-mu + n * math.log(mu) - math.lgamma(n + 1))
+        p += term
+    return n, min(1.0, p)
+
+
+def spares(cfg: SimConfig) -> Dict:
+    window = cfg.repair_hours or cfg.job_hours
+    per = {}
+    for g in cfg.gpus:
+        mu = g // cfg.gpus_per_node * window / cfg.node_mtbf_h
+        n, p = spares_needed(mu, cfg.target_probability)
+        per[str(g)] = {"expected_failures": round(mu, 3), "spare_nodes": n,
+                       "probability": round(p, 6)}
+        if cfg.spare_nodes is not None:
+            per[str(g)]["probability_with_given_spares"] = round(
+                poisson_cdf(cfg.spare_nodes, mu), 6)
+    top = per[str(max(cfg.gpus))]
+    return {"model": "Poisson: failures in the window ~ Poisson(nodes x window / node MTBF)",
+            "target_probability": cfg.target_probability, "window_hours": window,
+            "window": "repair time" if cfg.repair_hours else "job length",
+            "node_mtbf_hours": round(cfg.node_mtbf_h, 1), "gpus": max(cfg.gpus),
+            "spare_nodes": top["spare_nodes"], "probability": top["probability"],
+            "given_spare_nodes": cfg.spare_nodes, "per_scale": per}
+
+
+def simulate(cfg: SimConfig, measured_path) -> Dict:
+    """The whole model: the JSON ``deadpool sim --json`` writes."""
+    measured = load_measured(measured_path)
+    laws = fit_phases(measured["runs"], cfg)
+    at = {str(g): strategies_at(cfg, laws, g) for g in cfg.gpus}
+
+    def shape(key):
+        return {s: {g: round(v[key][s], 6) for g, v in at.items()} for s in STRATEGIES}
+
+    law_json = {ph: law.to_json() for ph, law in laws.items()}
+    law_json["restore_state"]["bytes_term"] = (
+        "+ shard_bytes_per_rank / link bandwidth (latency part fitted"
+        + (" after removing bytes / measured_link_gbps)" if any(
+            r["shard_bytes"] for r in measured["runs"]) else "; no bytes in the measured file)"))
+    return {
+        "assumptions": cfg.assumptions(), "scaling_law": law_json,
+        "goodput": shape("goodput"), "lost_per_failure_s": shape("lost"),
+        "steady_overhead": shape("overhead"),
+        "per_scale": {g: {"nodes": v["nodes"], "failures_per_day": round(v["failures_per_day"], 3),
+                          "checkpoint_interval_min": round(v["checkpoint_interval_s"] / 60, 2),
+                          "shard_bytes_per_rank": int(shard_bytes_per_rank(cfg, int(g))),
+                          "hotswap_breakdown_s": {k: round(x, 4) for k, x in
+                                                  v["hotswap_breakdown_s"].items()}}
+                      for g, v in at.items()},
+        "spares": spares(cfg),
+        "validation": validate(measured["runs"], cfg),
+        "validation_method": "leave-one-out (each measured W predicted from a fit on the "
+                             "other world sizes); in_sample_* fields: fit on all",
+        "measured_file": str(measured_path), "measured_placeholder": measured["placeholder"],
+    }

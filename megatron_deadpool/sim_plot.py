@@ -1,0 +1,101 @@
+"""``deadpool sim`` output: the readable table and the goodput-vs-scale plot (matplotlib is
+imported lazily, inside ``plot``: it is in the ``test`` and ``report`` extras only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, List
+
+from . import sim
+from .errors import DeadpoolError
+
+LABELS = {"hotswap": "DeadPool hot swap", "checkpoint_restart": "checkpoint/restart",
+          "inprocess_restart": "in-process restart + checkpoint reload"}
+
+
+def format_table(result: Dict) -> List[str]:
+    a = result["assumptions"]
+    lines = [f"model {a['model_params'] / 1e9:g} B params, TP{a['tp']} x PP{a['pp']}, "
+             f"{a['gpus_per_node']} GPUs/node, node MTBF {a['node_mtbf_hours']:g} h, "
+             f"link {a['link_gbps']:g} Gb/s, iteration {a['iteration_s']:g} s",
+             f"{'GPUs':>7} {'fail/day':>8} {'ckpt min':>8}  " + "  ".join(
+                 f"{s[:18]:>18}" for s in sim.STRATEGIES) + "   (goodput | lost s/failure)"]
+    for g, ps in result["per_scale"].items():
+        cells = [f"{result['goodput'][s][g]:7.4f} |{result['lost_per_failure_s'][s][g]:8.1f}"
+                 for s in sim.STRATEGIES]
+        lines.append(f"{g:>7} {ps['failures_per_day']:8.2f} "
+                     f"{ps['checkpoint_interval_min']:8.1f}  " + "  ".join(
+                         f"{c:>18}" for c in cells))
+    sp = result["spares"]
+    lines.append(f"spares: {sp['spare_nodes']} spare node(s) at {sp['gpus']} GPUs give "
+                 f"P(never running out in {sp['window_hours']:g} h, {sp['window']}) = "
+                 f"{sp['probability']:.4f} >= {sp['target_probability']}")
+    lines.append("scaling law: " + ", ".join(
+        f"{ph} {law['form']}" for ph, law in result["scaling_law"].items()))
+    lines.append("validation (leave-one-out, predicted vs measured total):")
+    for v in result["validation"]:
+        lines.append(f"  W={v['world_size']:<4} {v['predicted_total_s']:.3f} s vs "
+                     f"{v['measured_total_s']:.3f} s  error {v['rel_error']:+.1%}  "
+                     f"(in-sample {v['in_sample_rel_error']:+.1%})"
+                     + ("" if v["within_25pct"] else "  OUTSIDE 25%"))
+    return lines
+
+
+def warnings(result: Dict) -> List[str]:
+    out = [f"deadpool sim: warning: W={v['world_size']} prediction is off by "
+           f"{v['rel_error']:+.1%} (outside 25%)" for v in result["validation"]
+           if not v["within_25pct"]]
+    if result.get("measured_placeholder"):
+        out.append(f"deadpool sim: warning: {result['measured_file']} is a placeholder, not "
+                   "a measurement (replace it with `deadpool bench recovery --json`)")
+    return out
+
+
+def sweep_gpus(cfg: sim.SimConfig, lo: int = 512, hi: int = 100000, n: int = 40) -> List[int]:
+    """Log-spaced GPU counts from lo to hi, rounded to a valid multiple for the layout."""
+    step = math.lcm(cfg.gpus_per_node, cfg.tp * cfg.pp)
+    pts = {max(step, round(lo * (hi / lo) ** (i / (n - 1)) / step) * step) for i in range(n)}
+    return sorted(pts | {g for g in sim.DEFAULT_GPUS if g % step == 0})
+
+
+def plot(cfg: sim.SimConfig, measured_path, path: str) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise DeadpoolError("--plot needs matplotlib: pip install -e .[report]") from None
+    gpus = sweep_gpus(cfg)
+    scfg = dataclasses.replace(cfg, gpus=tuple(gpus))
+    measured = sim.load_measured(measured_path)
+    laws = sim.fit_phases(measured["runs"], scfg)
+    at = [sim.strategies_at(scfg, laws, g) for g in gpus]
+    fig, ax = plt.subplots(figsize=(8, 5.2))
+    for s in sim.STRATEGIES:
+        ax.plot(gpus, [x["goodput"][s] for x in at], marker=".", label=LABELS[s])
+    ax.set_xscale("log")
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("expected goodput (useful time / wall time)")
+    ax.set_ylim(0, 1.02)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower left")
+    a = cfg.assumptions()
+    ckpt = (f"every {a['checkpoint_interval_min']:g} min" if a["checkpoint_interval_min"]
+            else "at Young's optimum interval")
+    caption = (f"Assumptions: {a['model_params'] / 1e9:g} B params, TP{cfg.tp} PP{cfg.pp}, "
+               f"{cfg.gpus_per_node} GPUs/node, node MTBF {a['node_mtbf_hours']:.0f} h, "
+               f"iteration {cfg.iteration_s:g} s (half redone per failure), link "
+               f"{cfg.link_gbps:g} Gb/s per GPU;\nmirror overhead {cfg.mirror_overhead:g}, "
+               f"checkpoint write {cfg.checkpoint_write_s:g} s {ckpt}, restart "
+               f"{cfg.restart_cost_s:g} s, in-process restart {cfg.inprocess_restart_s:g} s "
+               f"+ reload {cfg.checkpoint_load_s:g} s;\nhot swap phases: scaling law fitted "
+               f"to the CPU-measured recovery phases, extrapolated (docs/simulator.md)")
+    fig.text(0.01, 0.01, caption, fontsize=7, va="bottom")
+    fig.subplots_adjust(bottom=0.24)
+    ax.set_title("deadpool sim: goodput against scale" + (
+        "\n(recovery phases from a PLACEHOLDER file, not a measurement)"
+        if measured["placeholder"] else ""))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
