@@ -26,7 +26,7 @@ LAYERS = [
     ("callers of the api", ["trainer.args", "trainer.data", "trainer.gpt", "megatron.lm",
                             "megatron.tree"]),
     ("launch", ["launch.agent", "launch.options", "launch.fault_driver", "launch.summary",
-                "launch.launcher", "launch.child"]),
+                "launch.launcher", "launch.child", "launch.progress"]),
     ("applications", ["demo", "soak", "bench", "report", "cli"]),
 ]
 LAYER_OF = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
