@@ -140,6 +140,7 @@ class Protected:
             self._t_begin = time.perf_counter()
             self.mirror.begin(iteration, self._meta(iteration))
             self.mirror.wait()  # once, before any training: a failure in step 1 finds it
+            self._wait_mark = self.mirror.wait_s  # not a wait of step 1 (progress())
             self.mirror.refresh_sources()  # the first step creates the optimizer state
 
     def after_step(self, iteration: int, mirror_on: bool = True) -> None:
