@@ -11,7 +11,7 @@ callers of exactly these methods:
         try:
             dp.before_step(state.iteration)         # first call: commits the initial state
             ... train step ...   (optimizer.step is wrapped: waits for the in-flight snapshot)
-            dp.after_step(state.iteration, loss=loss)   # loss: recorded on the last rank
+            dp.after_step(state.iteration, loss=loss)   # last rank: loss log + progress line
         except Exception as exc:     # the one recovery boundary
             dp.recover(exc)          # restores state.iteration etc.; re-raises if not a failure
     dp.finish(model, optimizer)      # fingerprint + results
