@@ -11,7 +11,7 @@ callers of exactly these methods:
         try:
             dp.before_step(state.iteration)         # first call: commits the initial state
             ... train step ...   (optimizer.step is wrapped: waits for the in-flight snapshot)
-            dp.after_step(state.iteration, loss=loss)   # loss: recorded on the last rank
+            dp.after_step(state.iteration, loss=loss)   # last rank: loss log + progress line
         except Exception as exc:     # the one recovery boundary
             dp.recover(exc)          # restores state.iteration etc.; re-raises if not a failure
     dp.finish(model, optimizer)      # fingerprint + results
@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from datetime import timedelta
 from typing import Optional
 
 from .config import DeadpoolConfig
 from .megatron import shard
-from .worker_env import WorkerEnv
+from .worker_env import PROGRESS_PREFIX, WorkerEnv
 
 
 class Deadpool:
@@ -52,6 +53,7 @@ class Deadpool:
         self._runtime = None  # the enabled runtime (membership, mirror, recovery)
         self.results_dir = os.environ.get("DEADPOOL_RESULTS_DIR")
         self._loss_log = None
+        self._t_step: Optional[float] = None  # when the current step began (progress)
 
     # ------------------------------------------------------------------ setup
     @classmethod
@@ -136,18 +138,44 @@ class Deadpool:
         first call of a fresh job commits the initial state (iteration 0)."""
         if self._runtime is not None:
             self._runtime.before_step(iteration)
+        self._t_step = time.perf_counter()
 
     def after_step(self, iteration: int, loss: Optional[float] = None) -> None:
         """Call after every completed iteration: starts the snapshot of its state and, on the
-        last rank, appends ``loss`` to the results' loss log (read by the launch summary)."""
-        if self._runtime is not None:
-            self._runtime.after_step(iteration)
-            self._runtime.sink.emit("step", rank=self.rank, iteration=iteration)  # for report
-        if loss is not None and self.results_dir and self.rank == self.world_size - 1:
+        last rank of a launched job, appends ``loss`` to the results' loss log (read by the
+        launch summary) and prints the iteration's progress record for the launcher."""
+        now = time.perf_counter()
+        rt = self._runtime
+        last = bool(self.results_dir) and self.rank == self.world_size - 1
+        rec = self._progress(iteration, loss, now) if last else None
+        if rt is not None:
+            n = len(rt.recoveries)
+            rt.after_step(iteration)
+            rt.sink.emit("step", rank=self.rank, iteration=iteration)  # for report
+            if rec is not None and len(rt.recoveries) > n:
+                r = rt.recoveries[-1]
+                rec["recovery"] = {k: r.get(k) for k in ("generation", "restored_iter",
+                                                         "failed_ranks", "phases_s")}
+        if loss is not None and last:
             if self._loss_log is None:
                 self._loss_log = open(os.path.join(self.results_dir, "losses.jsonl"), "a")
             self._loss_log.write(json.dumps({"iteration": iteration, "loss": loss}) + "\n")
             self._loss_log.flush()
+        if rec is not None:
+            print(PROGRESS_PREFIX + json.dumps(rec), flush=True)
+        self._t_step = now
+
+    def _progress(self, iteration: int, loss: Optional[float], now: float) -> dict:
+        """One iteration's progress record: loss, step seconds (since ``before_step``, or
+        the previous ``after_step`` when the caller has no ``before_step``), mirror lag and
+        wait (``Protected.progress``; None with the mirror off), generation."""
+        rec = {"iteration": iteration, "loss": loss, "rank": self.rank,
+               "step_s": None if self._t_step is None else now - self._t_step,
+               "mirror_lag_s": None, "mirror_wait_s": None, "generation": None}
+        rt = self._runtime
+        if rt is not None and rt.att.mirror is not None:
+            rec.update(rt.att.progress(iteration), generation=rt.plan.gen)
+        return rec
 
     @property
     def promoted(self) -> bool:

@@ -15,6 +15,7 @@ from typing import List, Optional
 
 from .demo import DEMO_FLAGS
 from .launch.launcher import LaunchOptions, run
+from .launch.progress import Console
 from .launch.summary import read_rank_results
 
 WARMUP_ITERS = 3
@@ -42,6 +43,8 @@ def overhead(trainer_argv: Optional[List[str]], rounds: int = 3, nodes: int = 4,
     argv = list(trainer_argv) if trainer_argv else DEMO_FLAGS + ["--train-iters", "30"]
     argv = [a for a in argv if a != "--deadpool"]
     work = tempfile.mkdtemp(prefix="deadpool-bench-")
+    log = os.path.join(work, "workers.log")
+    print(f"full worker output: {log}", flush=True)
     samples = {"off": [], "on": [], "waits": []}
     per_round, costs = [], []
     mirror = {}
@@ -50,7 +53,8 @@ def overhead(trainer_argv: Optional[List[str]], rounds: int = 3, nodes: int = 4,
             rd = os.path.join(work, f"{mode}{i}")
             s = run(LaunchOptions(nodes=nodes, procs_per_node=procs_per_node, results_dir=rd,
                                   trainer_argv=argv + (["--deadpool"] if mode == "on" else []),
-                                  quiet=True), out=open(os.path.join(work, "workers.log"), "a"))
+                                  quiet=True),
+                    out=Console(log, every=10, label=f"round {i + 1} mirror {mode}: "))
             if not s["ok"]:
                 raise RuntimeError(f"benchmark run {mode}{i} failed: {s['error']}")
             times = _step_times(rd, nodes * procs_per_node)
@@ -82,6 +86,7 @@ def overhead(trainer_argv: Optional[List[str]], rounds: int = 3, nodes: int = 4,
     if in_run_iters:
         result["in_run"] = in_run(_with_iters(argv, in_run_iters), nodes, procs_per_node)
     _print_overhead(result)
+    print(f"full worker output: {log}", flush=True)
     return result
 
 
@@ -179,11 +184,14 @@ def in_run(argv: List[str], nodes: int, procs_per_node: int, block: int = IN_RUN
     ``pair_ratio_*``: quartiles of the ratio of each on block's median to the next off
     block's (how much the headline could move from block to block)."""
     work = tempfile.mkdtemp(prefix="deadpool-bench-inrun-")
+    log = os.path.join(work, "workers.log")
+    print(f"in one job, mirror on and off in blocks of {block}; full worker output: {log}",
+          flush=True)
     s = run(LaunchOptions(nodes=nodes, procs_per_node=procs_per_node, results_dir=work,
                           trainer_argv=argv + ["--deadpool"], quiet=True, bench_block=block),
-            out=open(os.path.join(work, "workers.log"), "a"))
+            out=Console(log, every=25, label="in one job: "))
     if not s["ok"]:
-        raise RuntimeError(f"in-run benchmark failed: {s['error']}")
+        raise RuntimeError(f"in-run benchmark failed: {s['error']} (see {log})")
     per_rank = read_rank_results(work, nodes * procs_per_node)
     steps = [max(xs) for xs in zip(*(x["step_s"] for x in per_rank))]
     modes = per_rank[0]["bench_modes"]

@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Sequence
 from .demo import DEMO_FLAGS
 from .errors import DeadpoolError
 from .launch.launcher import LaunchOptions, run
+from .launch.progress import Console
 from .launch.summary import read_rank_results
 from .recovery.phases import PHASE_ORDER
 
@@ -59,16 +60,18 @@ def aggregate(world_size: int, samples: List[dict], shard_bytes: Optional[int]) 
             "samples": [{"phases_s": s["phases_s"], "total_s": s["total_s"]} for s in samples]}
 
 
-def _one(work: str, tag: str, world_size: int, inject: str, extra: List[str], log) -> dict:
+def _one(work: str, tag: str, world_size: int, inject: str, extra: List[str], log: str
+         ) -> dict:
     rd = os.path.join(work, tag)
     argv = DEMO_FLAGS + ["--train-iters", str(TRAIN_ITERS), "--deadpool", "--deadpool-events",
                          os.path.join(work, f"{tag}.events.jsonl")] + extra
     s = run(LaunchOptions(nodes=world_size // PROCS_PER_NODE, procs_per_node=PROCS_PER_NODE,
                           spare_nodes=1, inject=[inject], results_dir=rd, trainer_argv=argv,
-                          quiet=True), out=log)
+                          quiet=True),
+            out=Console(log, total=TRAIN_ITERS, every=TRAIN_ITERS, label=f"{tag}: "))
     if not s["ok"] or not s.get("recoveries"):
         raise DeadpoolError(f"recovery benchmark run {tag} failed: {s['error']} (worker "
-                            f"output: {log.name})")
+                            f"output: {log})")
     ranks = read_rank_results(rd, world_size)
     s["recoveries"][0]["shard_bytes"] = max(x.get("mirror_tensor_bytes", 0) for x in ranks)
     return s["recoveries"][0]
@@ -85,9 +88,9 @@ def recovery(repeats: int = 3, world_sizes: Sequence[int] = (4, 8, 16),
     if repeats < 1:
         raise DeadpoolError("--repeats must be >= 1")
     work = tempfile.mkdtemp(prefix="deadpool-bench-recovery-")
-    log = open(os.path.join(work, "workers.log"), "a")
+    log = os.path.join(work, "workers.log")
     print(f"[bench recovery] world sizes {sizes}, {repeats} run(s) each; worker output in "
-          f"{log.name}", flush=True)
+          f"{log}", flush=True)
     runs = []
     for w in sizes:
         samples = []
@@ -100,11 +103,11 @@ def recovery(repeats: int = 3, world_sizes: Sequence[int] = (4, 8, 16),
     result = {"config": CONFIG, "runs": runs, "work_dir": work}
     if hang:
         result["hang"] = _hang(work, sizes[len(sizes) // 2], log)
-    print(f"[bench recovery] worker output in {log.name}", flush=True)
+    print(f"[bench recovery] worker output in {log}", flush=True)
     return result
 
 
-def _hang(work: str, world_size: int, log) -> dict:
+def _hang(work: str, world_size: int, log: str) -> dict:
     """A SIGSTOPped rank: detected by its stale heartbeat, so detection is bounded below by
     the heartbeat timeout; the goal is the timeout + 0.5 s."""
     rec = _one(work, f"w{world_size}-hang", world_size, f"stop:rank=3@iter={KILL_ITER}",

@@ -7,14 +7,13 @@ then replayed without failure and the state fingerprints are compared bit for bi
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import sys
 import tempfile
 import time
 
 from .launch.launcher import LaunchOptions, run
+from .launch.progress import Console
 from .recovery.phases import PHASE_ORDER
 
 DEMO_FLAGS = [
@@ -24,30 +23,6 @@ DEMO_FLAGS = [
     "--global-batch-size", "8", "--lr", "1e-3", "--mock-data", "--use-distributed-optimizer",
     "--vocab-size", "128", "--device", "cpu",
 ]
-
-
-class _Filter(io.TextIOBase):
-    """Shows launcher lines, DeadPool lines and the loss log; everything goes to a file."""
-
-    KEEP = ("[launch]", "[deadpool", "iteration ", "error", "Error")
-
-    def __init__(self, path: str, verbose: bool):
-        self.f = open(path, "a")
-        self.verbose = verbose
-        self._buf = ""
-
-    def write(self, s: str) -> int:
-        self.f.write(s)
-        self._buf += s
-        while "\n" in self._buf:
-            line, self._buf = self._buf.split("\n", 1)
-            if self.verbose or any(k in line for k in self.KEEP):
-                sys.stdout.write(line + "\n")
-        return len(s)
-
-    def flush(self):
-        self.f.flush()
-        sys.stdout.flush()
 
 
 def timeline_table(recoveries) -> str:
@@ -67,7 +42,7 @@ def timeline_table(recoveries) -> str:
 def run_demo(args) -> int:
     workdir = tempfile.mkdtemp(prefix="deadpool-demo-")
     log = os.path.join(workdir, "workers.log")
-    out = _Filter(log, args.verbose)
+    out = Console(log, total=args.train_iters, verbose=args.verbose)
     flags = DEMO_FLAGS + ["--train-iters", str(args.train_iters)]
     print(f"== deadpool demo: TP2 x PP2 x DP2, 4 nodes x 2 procs + 1 spare node, "
           f"{args.train_iters} iterations, kill node {args.kill_node} at iteration "
@@ -79,16 +54,23 @@ def run_demo(args) -> int:
         results_dir=os.path.join(workdir, "hotswap"),
         trainer_argv=flags + ["--deadpool", "--deadpool-events",
                               os.path.join(workdir, "events.jsonl")]), out=out)
+    out.close()
     t_swap = time.time() - t0
+    if not swap["ok"]:
+        print(f"== the hot-swap run failed: {swap['error']}", flush=True)
     summary = dict(swap)
     summary["events_jsonl"] = os.path.join(workdir, "events.jsonl")
     ref = None
     if not args.no_replay:
-        print("== replaying the same run without failure (reference)", flush=True)
+        print("== replaying the same run without failure (reference, every 10th "
+              "iteration shown)", flush=True)
         t1 = time.time()
+        ref_out = Console(log, total=args.train_iters, every=10, label="reference ",
+                          verbose=args.verbose)
         ref = run(LaunchOptions(nodes=4, procs_per_node=2,
                                 results_dir=os.path.join(workdir, "reference"),
-                                trainer_argv=flags), out=_Filter(log, False))
+                                trainer_argv=flags), out=ref_out)
+        ref_out.close()
         summary["reference_wall_s"] = round(time.time() - t1, 3)
     summary["reference_state_sha256"] = ref["final_state_sha256"] if ref else None
     summary["reference_losses"] = ref["losses"] if ref else None
@@ -102,6 +84,7 @@ def run_demo(args) -> int:
     print(f"\nfinal_state_sha256     {summary['final_state_sha256']}")
     print(f"reference_state_sha256 {summary['reference_state_sha256']}")
     print(f"bitwise_equal          {summary['bitwise_equal']}")
+    print(f"full worker output: {log}")
     if args.summary_json:
         os.makedirs(os.path.dirname(os.path.abspath(args.summary_json)), exist_ok=True)
         with open(args.summary_json, "w") as f:

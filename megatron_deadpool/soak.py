@@ -17,6 +17,7 @@ from typing import List
 
 from .demo import DEMO_FLAGS
 from .launch.launcher import LaunchOptions, run
+from .launch.progress import Console
 
 # (kind, phase): the recoverable single-process faults the schedule draws from.
 KINDS = (("kill", "forward_backward"), ("kill", "optimizer"), ("kill", "mirror"),
@@ -39,6 +40,8 @@ def schedule(failures: int, seed: int, gap: int, world_size: int) -> List[str]:
 
 
 def run_soak(failures: int, seed: int, gap: int, summary_json=None, quiet=True) -> dict:
+    """``quiet``: the terminal shows one line per iteration and the launcher's fault and
+    recovery lines (False: every worker line); the log file gets everything."""
     world = NODES * PROCS_PER_NODE
     specs = schedule(failures, seed, gap, world)
     iters = int(specs[-1].split("@iter=")[1].split(",")[0]) + gap if specs else gap
@@ -49,18 +52,20 @@ def run_soak(failures: int, seed: int, gap: int, summary_json=None, quiet=True) 
                           # hangs (fenced) take a spare node: both paths are soaked
                           "--deadpool-max-local-restarts", "1"]
     work = tempfile.mkdtemp(prefix="deadpool-soak-")
-    log = open(os.path.join(work, "workers.log"), "a")
-    print(f"[soak] {failures} failures, seed {seed}, {iters} iterations; logs in {work}",
-          flush=True)
-    faulted = run(LaunchOptions(nodes=NODES, procs_per_node=PROCS_PER_NODE,
-                                spare_nodes=SPARE_NODES, inject=specs,
-                                results_dir=os.path.join(work, "soak"), trainer_argv=flags,
-                                quiet=quiet, respawn_spares=True), out=log)
+    log = os.path.join(work, "workers.log")
+    print(f"[soak] {failures} failures, seed {seed}, {iters} iterations; full worker output: "
+          f"{log}", flush=True)
+    with Console(log, total=iters, verbose=not quiet) as con:
+        faulted = run(LaunchOptions(nodes=NODES, procs_per_node=PROCS_PER_NODE,
+                                    spare_nodes=SPARE_NODES, inject=specs,
+                                    results_dir=os.path.join(work, "soak"),
+                                    trainer_argv=flags, respawn_spares=True), out=con)
     print(f"[soak] faulted run: ok={faulted['ok']} error={faulted['error']}; replaying "
-          "without faults", flush=True)
-    reference = run(LaunchOptions(nodes=NODES, procs_per_node=PROCS_PER_NODE,
-                                  spare_nodes=0, results_dir=os.path.join(work, "reference"),
-                                  trainer_argv=flags, quiet=quiet), out=log)
+          "without faults (every 10th iteration shown)", flush=True)
+    with Console(log, total=iters, every=10, label="reference ", verbose=not quiet) as con:
+        reference = run(LaunchOptions(nodes=NODES, procs_per_node=PROCS_PER_NODE,
+                                      spare_nodes=0, results_dir=os.path.join(work, "reference"),
+                                      trainer_argv=flags), out=con)
     recs = [r for r in faulted.get("recoveries", []) if not r.get("superseded")]
     table = []
     local_gens = {x["generation"] for x in faulted.get("local_restarts", [])}
@@ -88,7 +93,8 @@ def run_soak(failures: int, seed: int, gap: int, summary_json=None, quiet=True) 
               f"{row['iteration']:>5} {row['recovery_s']:>10.3f} "
               f"{'local restart' if row['local'] else 'spare'}")
     print(json.dumps({k: out[k] for k in ("failures_injected", "bitwise_equal")}), flush=True)
-    print(f"[soak] recoveries {len(recs)}; bitwise_equal {out['bitwise_equal']}", flush=True)
+    print(f"[soak] recoveries {len(recs)}; bitwise_equal {out['bitwise_equal']}; full worker "
+          f"output: {log}", flush=True)
     if summary_json:
         with open(summary_json, "w") as f:
             json.dump(out, f, indent=2)

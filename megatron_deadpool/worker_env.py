@@ -21,6 +21,11 @@ _NAMES = {"lid": "DEADPOOL_LID", "node": "DEADPOOL_NODE", "role": "DEADPOOL_ROLE
           "world_size": "WORLD_SIZE", "master_addr": "MASTER_ADDR",
           "master_port": "MASTER_PORT"}
 
+# What a worker tells the launcher on stdout: one line per completed iteration, from the
+# rank that logs the loss, ``PROGRESS_PREFIX`` + a JSON object (``api.Deadpool.after_step``;
+# the launcher side is ``launch/progress.py``).
+PROGRESS_PREFIX = "[deadpool progress] "
+
 
 @dataclass(frozen=True)
 class WorkerEnv:

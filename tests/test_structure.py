@@ -26,7 +26,7 @@ LAYERS = [
     ("callers of the api", ["trainer.args", "trainer.data", "trainer.gpt", "megatron.lm",
                             "megatron.tree"]),
     ("launch", ["launch.agent", "launch.options", "launch.fault_driver", "launch.summary",
-                "launch.launcher", "launch.child"]),
+                "launch.launcher", "launch.child", "launch.progress"]),
     ("applications", ["demo", "soak", "bench", "bench_recovery", "report", "sim", "sim_plot",
                       "cli"]),
 ]

@@ -50,6 +50,10 @@ class Protected:
         self._gloo_tids: set = set()
         self._cpu_start: Optional[cpu.Sample] = None
         self._cpu_last: Optional[cpu.Sample] = None
+        # progress(): when the newest snapshot began, (iteration, seconds to its commit)
+        self._t_begin = 0.0
+        self._lag: Optional[tuple] = None
+        self._wait_mark = 0.0
 
     CPU_WINDOW_START = 3  # steps before it (startup, first allocations) are not counted
 
@@ -80,10 +84,12 @@ class Protected:
                                 + shard.unreplicated_tensors(model, dp_size))
         self.mirror.fault_hook = lambda it: fault_points(it, FaultPhase.MIRROR)
         self.mirror.job = self.job_id
+        periodic = None
         if self.fallback_dir and self.fallback_every:
             world = handle.world_size  # stable: a spare takes the dead rank's id
-            self.mirror.on_committed = lambda it: persist.periodic(
+            periodic = lambda it: persist.periodic(  # noqa: E731
                 self.mirror, self.fallback_dir, self.fallback_every, world, it)
+        self.mirror.on_committed = lambda it: self._committed(it, periodic)
         self._connect_mirror(plan)
         self._initial_commit_pending = True
 
@@ -109,14 +115,32 @@ class Protected:
 
         optimizer.step = step
 
+    def _committed(self, iteration: int, periodic) -> None:
+        """Mirror thread, right after snapshot ``iteration`` committed."""
+        self._lag = (iteration, time.perf_counter() - self._t_begin)
+        if periodic is not None:
+            periodic(iteration)
+
+    def progress(self, iteration: int) -> dict:
+        """For the progress line of ``iteration``, before its snapshot begins:
+        ``mirror_lag_s``, how long after the previous step's optimizer step its snapshot
+        (iteration - 1) was committed (None: no such snapshot, e.g. the first step after a
+        restore), and ``mirror_wait_s``, how long this step's optimizer step waited for it."""
+        m = self.mirror
+        waited, self._wait_mark = m.wait_s - self._wait_mark, m.wait_s
+        lag = self._lag[1] if self._lag and self._lag[0] == iteration - 1 else None
+        return {"mirror_lag_s": lag, "mirror_wait_s": waited, "committed": m.committed}
+
     # ---------------------------------------------------------------- loop
     def before_step(self, iteration: int) -> None:
         """The first call of a fresh job commits the initial state, so that a failure in the
         very first step rolls back to a committed state too (a restored spare skips it)."""
         if self._initial_commit_pending:
             self._initial_commit_pending = False
+            self._t_begin = time.perf_counter()
             self.mirror.begin(iteration, self._meta(iteration))
             self.mirror.wait()  # once, before any training: a failure in step 1 finds it
+            self._wait_mark = self.mirror.wait_s  # not a wait of step 1 (progress())
             self.mirror.refresh_sources()  # the first step creates the optimizer state
 
     def after_step(self, iteration: int, mirror_on: bool = True) -> None:
@@ -126,6 +150,7 @@ class Protected:
         if len(self.bench_modes) == self.CPU_WINDOW_START:
             self._cpu_start = self._cpu_sample(c0, with_threads=True)
         if mirror_on:
+            self._t_begin = time.perf_counter()
             self.mirror.begin(iteration, self._meta(iteration))
         c1 = time.thread_time()
         self._main_mirror_s += c1 - c0
@@ -169,6 +194,7 @@ class Protected:
     def restore(self, rank: int) -> int:
         """Restore the newest iteration held for every rank (``restore.py``); returns it."""
         self._initial_commit_pending = False
+        self._lag = None  # the first step after a restore waits for no snapshot
         chosen, meta = restore.execute(self.mirror, self.optimizer, self.model, rank)
         self._apply(meta)
         return chosen
