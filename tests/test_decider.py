@@ -129,3 +129,35 @@ def test_failure_waits_for_a_starting_spare_then_plans():
     d.step()
     d.step()
     assert _c(store).current_gen() == 1 and _c(store).get_plan(1).spare_of_rank == {2: 8}
+
+
+def _decider_with_grace(grace_s):
+    d, store, cmds = _decider()
+    d.config = DeciderConfig(heartbeat_timeout_s=60.0, heartbeat_interval_s=0.1, grace_s=grace_s)
+    for lid in range(10):
+        _join(store, lid)
+    d.step()
+    return d, store
+
+
+def test_whole_node_dead_ends_the_grace_window_at_once():
+    d, store = _decider_with_grace(5.0)
+    _c(store).push_event("exit", lid=2, code=-9, node=1)
+    d.step()
+    assert d.gen == 0  # node 1 still has a live process: the window collects it
+    _c(store).push_event("exit", lid=3, code=-9, node=1)
+    d.step()  # no clock advance: the node is accounted for
+    assert d.gen == 1
+    assert sorted(d.plans[-1].failed_ranks) == [2, 3]
+
+
+def test_one_crash_on_a_live_node_waits_out_the_grace_window():
+    d, store = _decider_with_grace(5.0)
+    _c(store).push_event("exit", lid=2, code=-9, node=1)
+    d.step()
+    d.clock_.advance(4.9)
+    d.step()
+    assert d.gen == 0
+    d.clock_.advance(0.2)
+    d.step()
+    assert d.gen == 1 and list(d.plans[-1].failed_ranks) == [2]

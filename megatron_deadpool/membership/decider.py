@@ -3,7 +3,8 @@ node 0, next to the store. Detection and fencing only: it reads the event queue 
 child exits, completions, fatal errors), watches heartbeats, fences hung processes through
 their node agent, and on failure publishes the next generation's plan (``plan.next_plan``)::
 
-    failure seen ──► grace window (collect the rest of the node) ──► next_plan (pure)
+    failure seen ──► grace window (collect the rest of the node; it ends at once when every
+                     process of each failed node is accounted for) ──► next_plan (pure)
         ──► write dp/plan/{g+1} ──► bump dp/latest  (workers' watchers abort their groups)
 
 Time comes from an injectable ``clock``, so tests advance it instead of sleeping.
@@ -94,7 +95,8 @@ class Decider:
         if now - self._last_hb_poll >= self.config.heartbeat_interval_s / 2:
             self._last_hb_poll = now
             self._poll_heartbeats(now)
-        if self.pending_dead and now - self.first_dead_t >= self.config.grace_s:
+        if self.pending_dead and (now - self.first_dead_t >= self.config.grace_s
+                                  or self._failed_nodes_complete()):
             self._replan()
         actives = [p for p in self.procs.values() if p.rank is not None]
         if actives and all(p.state == ProcState.DONE for p in actives) and not self.pending_dead:
@@ -238,6 +240,14 @@ class Decider:
     def _agent_alive(self, node: int) -> bool:
         last = self._agent_hb.get(node)
         return last is not None and self.clock() - last[1] <= self.config.heartbeat_timeout_s
+
+    def _failed_nodes_complete(self) -> bool:
+        """Every process of each node with a pending death is dead: nothing more can fail
+        there, so the grace window has nothing left to collect (a node kill is planned as
+        soon as its last process is seen to exit)."""
+        nodes = {self.procs[lid].node for lid in self.pending_dead}
+        return not any(p.node in nodes and p.state in (ProcState.ALIVE, ProcState.STARTING)
+                       for p in self.procs.values())
 
     def _replan(self) -> None:
         if self._restart_in_place():

@@ -22,31 +22,28 @@ import threading
 import traceback
 from typing import Iterable, List, Optional, Set
 
-TCP_LISTEN = "0A"
-
-
-def _tcp_table() -> dict:
-    """inode -> (local_port, remote_port, state) for this network namespace."""
-    out = {}
-    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(path) as f:
-                next(f)
-                for line in f:
-                    parts = line.split()
-                    local, remote, state, inode = parts[1], parts[2], parts[3], parts[9]
-                    out[inode] = (int(local.rsplit(":", 1)[1], 16),
-                                  int(remote.rsplit(":", 1)[1], 16), state)
-        except OSError:
-            continue
-    return out
+def _ports(fd: int) -> Optional[tuple]:
+    """(local port, remote port) of a connected TCP socket ``fd``; None for anything else
+    (not a socket, another family, listening or unconnected)."""
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
+            return None
+        return s.getsockname()[1], s.getpeername()[1]
+    except OSError:  # ENOTCONN: a listening or unconnected socket
+        return None
+    finally:
+        s.close()
 
 
 def comm_socket_fds(keep_ports: Iterable[int]) -> List[int]:
-    """File descriptors of this process's established TCP connections whose local and remote
-    ports are not in ``keep_ports`` (the coordinator store's port)."""
+    """File descriptors of this process's connected TCP sockets whose local and remote
+    ports are not in ``keep_ports`` (the coordinator store's port). Only this process's own
+    descriptors are inspected: the cost grows with its connections, not the machine's."""
     keep: Set[int] = set(keep_ports)
-    table = _tcp_table()
     fds = []
     for name in os.listdir("/proc/self/fd"):
         try:
@@ -55,11 +52,8 @@ def comm_socket_fds(keep_ports: Iterable[int]) -> List[int]:
             continue
         if not target.startswith("socket:["):
             continue
-        info = table.get(target[8:-1])
-        if info is None:
-            continue
-        lport, rport, state = info
-        if state == TCP_LISTEN or lport in keep or rport in keep:
+        ports = _ports(int(name))
+        if ports is None or ports[0] in keep or ports[1] in keep:
             continue
         fds.append(int(name))
     return fds

@@ -105,33 +105,50 @@ def _children(obj) -> Iterable[Tuple[Step, Any]]:
                 continue
 
 
-def _skip(obj) -> bool:
-    import torch
+_WALK, _SKIP, _GROUP = 0, 1, 2
+_KIND: Dict[type, int] = {}  # per type: the walk's decision (isinstance is the walk's cost)
 
-    return isinstance(obj, _ATOMIC) or isinstance(obj, (torch.Tensor, torch.dtype,
-                                                         torch.device, torch.Generator))
+
+def _kind(obj) -> int:
+    """_GROUP for a process group, _SKIP for what the walk never enters (atoms, code,
+    tensors), else _WALK; decided once per type."""
+    t = type(obj)
+    kind = _KIND.get(t)
+    if kind is None:
+        import torch
+
+        if isinstance(obj, _pg_type()):
+            kind = _GROUP
+        elif isinstance(obj, _ATOMIC) or isinstance(obj, (torch.Tensor, torch.dtype,
+                                                           torch.device, torch.Generator)):
+            kind = _SKIP
+        else:
+            kind = _WALK
+        _KIND[t] = kind
+    return kind
 
 
 def walk(roots: Sequence[Any]) -> List[Tuple[int, Tuple[Step, ...], Any]]:
     """All (root_index, path, group) reachable from ``roots`` without passing through
     tensors, modules of code, or functions."""
-    pg = _pg_type()
     found = []
     seen = set()
     for ri, root in enumerate(roots):
         stack = [(root, ())]
         while stack:
             obj, path = stack.pop()
-            if isinstance(obj, pg):
+            kind = _kind(obj)
+            if kind == _GROUP:
                 found.append((ri, path, obj))
                 continue
-            if _skip(obj) or id(obj) in seen:
+            if kind == _SKIP or id(obj) in seen:
                 continue
             seen.add(id(obj))
             for step, child in _children(obj):
-                if isinstance(child, pg):
+                kind = _kind(child)
+                if kind == _GROUP:
                     found.append((ri, path + (step,), child))
-                elif not _skip(child) and id(child) not in seen:
+                elif kind == _WALK and id(child) not in seen:
                     stack.append((child, path + (step,)))
     return found
 
