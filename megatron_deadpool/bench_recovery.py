@@ -3,7 +3,8 @@
 For each world size W (processes; 2 per simulated node, TP2 x PP2 x DP W/4, one spare node)
 the demo model is trained and node 1 is SIGKILLed at a fixed iteration, ``repeats`` times.
 A run's phase time is the slowest rank's (``launch/summary.py``); its total is the sum of
-the phases. Per world size the medians and min-max of each phase and of the total::
+the phases (an upper bound: ranks overlap); ``wall_s`` is the end-to-end time (failure until
+the slowest rank's first step is done). Per world size the medians and min-max of each phase and of the total::
 
     {"runs": [{"world_size": 8, "phases_s": {"detect": {"median", "min", "max"}, ...},
                "total_s_median": ..., "total_s": {...}, "samples": [...]}, ...],
@@ -53,11 +54,14 @@ def aggregate(world_size: int, samples: List[dict], shard_bytes: Optional[int]) 
     """Pure: one world size's runs (each a launch summary's first recovery) -> medians."""
     phases = {ph: spread([s["phases_s"].get(ph, 0.0) for s in samples]) for ph in PHASE_ORDER}
     totals = [s["total_s"] for s in samples]
+    walls = [s["wall_s"] for s in samples if s.get("wall_s") is not None]
     return {"world_size": world_size, "nodes": world_size // PROCS_PER_NODE, "spare_nodes": 1,
             "repeats": len(samples), "phases_s": phases,
             "total_s_median": round(statistics.median(totals), 4), "total_s": spread(totals),
+            "wall_s": spread(walls) if walls else None,
             "shard_bytes_per_rank": shard_bytes,
-            "samples": [{"phases_s": s["phases_s"], "total_s": s["total_s"]} for s in samples]}
+            "samples": [{k: s.get(k) for k in ("phases_s", "total_s", "wall_s")}
+                        for s in samples]}
 
 
 def _one(work: str, tag: str, world_size: int, inject: str, extra: List[str], log: str
@@ -79,7 +83,9 @@ def _one(work: str, tag: str, world_size: int, inject: str, extra: List[str], lo
 
 def _print_run(w: int, i: int, repeats: int, rec: dict) -> None:
     ph = " ".join(f"{p} {rec['phases_s'].get(p, 0.0):.3f}" for p in PHASE_ORDER)
-    print(f"W={w:<3} run {i + 1}/{repeats}: total {rec['total_s']:.3f} s | {ph}", flush=True)
+    wall = rec.get("wall_s")
+    print(f"W={w:<3} run {i + 1}/{repeats}: total {rec['total_s']:.3f} s (end to end "
+          f"{'n/a' if wall is None else f'{wall:.3f}'} s) | {ph}", flush=True)
 
 
 def recovery(repeats: int = 3, world_sizes: Sequence[int] = (4, 8, 16),

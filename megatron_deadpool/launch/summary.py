@@ -131,7 +131,14 @@ def _recovery(plan: Plan, store, world_size: int) -> dict:
         "recomputed_iters": (max(at_fail) - restored) if at_fail and restored is not None
         else None,
         "phases_s": phases,
+        # the sum of each phase's slowest rank: an upper bound (different ranks can be the
+        # slowest in different phases, and survivors' phases overlap the detection)
         "total_s": round(sum(phases.values()), 4),
+        # end to end: the failure until the slowest rank finished its first step (wall
+        # clocks of the decider's and the workers' hosts: exact on one host)
+        "wall_s": round(max(x["t_done"] for x in reports) - plan.t_failure, 4)
+        if reports and plan.t_failure is not None and all("t_done" in x for x in reports)
+        else None,
         "ranks_reported": len(reports),
         # superseded: a further failure during this recovery moved on to a newer generation
         "superseded": not reports,

@@ -5,14 +5,14 @@ mirror and the restore decision (``restore.py``).
     WorkerState:  STANDBY ──promoted──► ACTIVE ──failure──► RECOVERING ──restored──► ACTIVE
                   (a spare)             └──────────────finish──────────────► DONE
 
-    recovery = abort ─► rendezvous ─► rebuild_groups ─► restore_state   (then the first step
-               each step a small method taking and returning the Attempt;  is timed too)
-               a failure inside an attempt starts the next one on a newer generation,
-               at most MAX_ATTEMPTS, each wait bounded by the rendezvous timeout.
+    recovery = abort ─► rendezvous ─► rebuild_groups ─► restore_state ─► (timed) first step;
+               each step a small method taking and returning the Attempt; a failure
+               inside an attempt starts the next one on a newer generation, at most
+               MAX_ATTEMPTS, each wait bounded by the rendezvous timeout.
 
 A failure is a membership fact, not an exception type: ``recover`` goes on only if this
 generation was aborted (a newer one exists) or, after a communication error, a newer one
-appears within the heartbeat timeout. A local error is re-raised at once, with its traceback.
+appears within the heartbeat timeout. A local error is re-raised at once, with its trace.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class Runtime:
             timer, t0, report = self._first_step
             self._first_step = None
             timer.record(Phase.FIRST_STEP, time.perf_counter() - t0)
-            report["phases_s"] = timer.durations
+            report.update(phases_s=timer.durations, t_done=time.time())  # wall clock
             self.member.report_recovery(self.plan.gen, self.h.rank, report)
             self.recoveries.append(report)
 

@@ -21,6 +21,21 @@ def _log(msg: str) -> None:
     print(msg, flush=True)
 
 
+def preimport() -> None:
+    """Import what ``build`` and ``train_step`` need before joining: a standby spare then
+    pays for the imports while it waits, not after it is promoted (in the recovery's
+    critical path). Nothing here depends on the rank a spare will take."""
+    import megatron.core.distributed  # noqa: F401
+    import megatron.core.distributed.finalize_model_grads  # noqa: F401
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    import megatron.core.models.gpt.gpt_model  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.optimizer_param_scheduler  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
+    import megatron.core.transformer.module  # noqa: F401
+    import megatron.core.transformer.transformer_config  # noqa: F401
+
+
 def build(args, device):
     """Model, DDP, distributed optimizer and scheduler, exactly as megatron-core builds them."""
     import torch
@@ -168,6 +183,7 @@ def main(argv=None) -> int:
 
     _choose_device(args)
     log_to_stdout()
+    preimport()
     deadpool = api.Deadpool.start(args.deadpool_config, device=args.device, backend=args.backend)
     try:
         device = deadpool.device
