@@ -161,3 +161,22 @@ def test_one_crash_on_a_live_node_waits_out_the_grace_window():
     d.clock_.advance(0.2)
     d.step()
     assert d.gen == 1 and list(d.plans[-1].failed_ranks) == [2]
+
+
+def test_a_fenced_process_needs_no_grace_window():
+    """A stale heartbeat is found by a scan of every process at once: the plan follows the
+    fence without waiting out the window (a hang's detection is the timeout, not more)."""
+    d, store, cmds = _decider(hb_timeout=1.0)
+    d.config = DeciderConfig(heartbeat_timeout_s=1.0, heartbeat_interval_s=0.1, grace_s=5.0)
+    for lid in range(10):
+        _join(store, lid)
+        _beat(store, lid, 1)
+    d.step()
+    for seq in range(2, 40):  # everyone but lid 5 keeps beating; 1.9 s < the window
+        for lid in range(10):
+            if lid != 5:
+                _beat(store, lid, seq)
+        d.clock_.advance(0.05)
+        d.step()
+    assert any(c == {"op": "signal", "signal": "SIGKILL", "lids": [5]} for _, c in cmds)
+    assert d.gen == 1 and d.plans[-1].failed_ranks == (5,)

@@ -3,8 +3,7 @@ node 0, next to the store. Detection and fencing only: it reads the event queue 
 child exits, completions, fatal errors), watches heartbeats, fences hung processes through
 their node agent, and on failure publishes the next generation's plan (``plan.next_plan``)::
 
-    failure seen ──► grace window (collect the rest of the node; it ends at once when every
-                     process of each failed node is accounted for) ──► next_plan (pure)
+    failure seen ──► grace window (collect the rest of the node) ──► next_plan (pure)
         ──► write dp/plan/{g+1} ──► bump dp/latest  (workers' watchers abort their groups)
 
 Time comes from an injectable ``clock``, so tests advance it instead of sleeping.
@@ -43,6 +42,7 @@ class Decider:
     def __post_init__(self):
         self.cursor = 0
         self.pending_dead: Set[int] = set()
+        self.pending_exits: Set[int] = set()  # those seen as process exits
         self.first_dead_t: Optional[float] = None
         self.plans: List[plans.Plan] = []
         self.finished = False
@@ -92,7 +92,7 @@ class Decider:
             self.cursor += 1
             self._on_event(ev)
         now = self.clock()
-        if now - self._last_hb_poll >= self.config.heartbeat_interval_s / 2:
+        if now - self._last_hb_poll >= self.config.heartbeat_interval_s / 4:
             self._last_hb_poll = now
             self._poll_heartbeats(now)
         if self.pending_dead and (now - self.first_dead_t >= self.config.grace_s
@@ -135,6 +135,7 @@ class Decider:
         p = self.procs.get(ev["lid"])
         if p is not None and p.state not in (ProcState.DEAD, ProcState.DONE):
             p.exit_code = ev["code"]
+            self.pending_exits.add(p.lid)
             self._declare_dead(p, f"exited with code {ev['code']}", ev["t"])
 
     def _on_done(self, ev: dict) -> None:
@@ -242,10 +243,10 @@ class Decider:
         return last is not None and self.clock() - last[1] <= self.config.heartbeat_timeout_s
 
     def _failed_nodes_complete(self) -> bool:
-        """Every process of each node with a pending death is dead: nothing more can fail
-        there, so the grace window has nothing left to collect (a node kill is planned as
-        soon as its last process is seen to exit)."""
-        nodes = {self.procs[lid].node for lid in self.pending_dead}
+        """The grace window has nothing left to collect: every process of each node with
+        a pending exit is dead (a node kill is planned once its last exit is seen). Deaths
+        found by the heartbeat scan (fenced, node lost) need no window: it saw them all."""
+        nodes = {self.procs[lid].node for lid in self.pending_dead & self.pending_exits}
         return not any(p.node in nodes and p.state in (ProcState.ALIVE, ProcState.STARTING)
                        for p in self.procs.values())
 
@@ -276,6 +277,7 @@ class Decider:
                  f"{[plan.spare_of_rank[r] for r in plan.failed_ranks]} "
                  f"(detected in {plan.detect_s:.3f}s)")
         self.pending_dead.clear()
+        self.pending_exits.clear()
         self.first_dead_t = None
         self._waiting_logged = False
         self._fault_time = None
