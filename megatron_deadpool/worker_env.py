@@ -92,3 +92,13 @@ def log_to_stdout(env: Mapping[str, str] = os.environ) -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+
+
+def dump_stacks_on_crash() -> None:
+    """Worker entry points: on SIGABRT, SIGSEGV, SIGFPE, SIGBUS or SIGILL, write the Python
+    stack of every thread to stderr (the agent forwards it with the worker's output), so a
+    native crash (e.g. a C++ std::terminate) names the thread and the call it came from."""
+    import faulthandler
+
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)
