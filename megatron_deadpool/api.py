@@ -73,7 +73,14 @@ class Deadpool:
         self = cls(config, device, backend)
         if config.enabled:
             self._runtime = self._make_runtime(env or WorkerEnv.from_env())
-            self._runtime.join()  # spare: blocks until promoted; sets rank/world_size
+            try:
+                self._runtime.join()  # spare: blocks until promoted; sets rank/world_size
+            except BaseException:
+                # Nobody else holds this handle: stop the watcher thread and free the groups
+                # here, or the process leaves with a daemon thread inside a store call and
+                # the interpreter's exit ends it in std::terminate (SIGABRT).
+                self._runtime.close()
+                raise
         else:
             self._init_process_group_plain()
         return self

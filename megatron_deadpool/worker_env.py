@@ -97,3 +97,16 @@ def log_to_stdout(env: Mapping[str, str] = os.environ) -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+
+
+def dump_stacks_on_crash() -> None:
+    """Worker entry points: on SIGABRT, SIGSEGV, SIGFPE, SIGBUS or SIGILL, write the Python
+    stack of every thread to stderr (the agent forwards it with the worker's output), so a
+    native crash (e.g. a C++ std::terminate) names the thread and the call it came from.
+    ``kill -USR1 <pid>`` writes them too, without stopping the process (a hung worker)."""
+    import faulthandler
+    import signal
+
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)

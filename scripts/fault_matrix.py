@@ -2,6 +2,7 @@
 layouts (default: all) and write the scenario x layout table.
 
     python scripts/fault_matrix.py [--layouts TP2.PP2.DP2,...] [--scenarios a,b] [--out F]
+                                   [--work-dir D]
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def main() -> int:
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--scenarios", default=",".join(s.name for s in SCENARIOS))
     ap.add_argument("--out", default=str(REPO / "docs" / "reliability.md"))
+    ap.add_argument("--work-dir", help="where each run's summary and worker output "
+                    "(<layout>-<scenario>.log) go; default: a new temporary directory")
     a = ap.parse_args()
     layouts = a.layouts.split(",")
     names = a.scenarios.split(",")
@@ -36,7 +39,9 @@ def main() -> int:
         return 2
     scenarios = [s for s in SCENARIOS if s.name in names]
     cells, total_s = {}, {}
-    work = Path(tempfile.mkdtemp(prefix="fault-matrix-"))
+    work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="fault-matrix-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"fault_matrix: runs in {work}", flush=True)
     for layout in layouts:
         refs = {}
         for iters in sorted({s.iters for s in scenarios}):

@@ -75,7 +75,7 @@ class FakeMember:
         return True
 
     def close(self):
-        pass
+        self.closed = True
 
 
 class FakeWorld:
@@ -127,7 +127,7 @@ class FakeProtected:
     def after_step(self, iteration, mirror_on=True):
         self.iteration = iteration
 
-    def close(self):
+    def close(self, abort=None):
         pass
 
 
@@ -242,3 +242,25 @@ def test_job_stopped_during_recovery_is_terminal():
     with pytest.raises(JobStopped) as info:
         rt.recover(RuntimeError("peer gone"))
     assert info.value.reason.value == "no spare left"
+
+
+def test_a_failed_join_closes_the_runtime(monkeypatch):
+    """A promoted spare whose world does not form: ``Deadpool.start`` raises with the
+    watcher stopped (a daemon thread left in a store call ends the exit in SIGABRT)."""
+    from megatron_deadpool import api
+
+    member = FakeMember()
+    member.gen = 1
+    member.plans[1] = plan(1, lid=8, rank=0)
+
+    def arrive(gen, world_size):
+        raise TimeoutError(f"generation {gen}: only 1 of 2 members arrived")
+
+    member.arrive = arrive
+    cfg = DeadpoolConfig(enabled=True, heartbeat_interval_s=0.1, heartbeat_timeout_s=HB_TIMEOUT)
+    env = WorkerEnv(lid=8, node=4, role="spare", store_port=1)
+    monkeypatch.setattr(api.Deadpool, "_make_runtime", lambda self, env: Runtime(
+        self, cfg, env, member, FakeWorld(), FakeProtected()))
+    with pytest.raises(TimeoutError):
+        api.Deadpool.start(cfg, env=env)
+    assert getattr(member, "closed", False)

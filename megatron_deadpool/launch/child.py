@@ -28,8 +28,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not argv:
         raise SystemExit("usage: python -m megatron_deadpool.launch.child "
                          "[--device cpu|cuda] SCRIPT [flags...]")
-    from ..worker_env import log_to_stdout
+    from ..worker_env import dump_stacks_on_crash, log_to_stdout
 
+    dump_stacks_on_crash()
     log_to_stdout()
     script = os.path.abspath(argv[0])
     sys.path.insert(0, os.path.dirname(script))

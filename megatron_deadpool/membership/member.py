@@ -75,9 +75,19 @@ class Member:
             time.sleep(WATCH_POLL_S)
 
     def close(self) -> None:
+        """Stop the watcher and wait for it. It is a daemon thread that spends its time in
+        store calls (native code, GIL released): one still running when the interpreter
+        exits is ended inside that call, in std::terminate (SIGABRT). So the wait is as long
+        as one store call may block (the store's timeout), not a fixed few seconds that an
+        overloaded machine can exceed."""
         self._stop.set()
-        if self._watcher is not None and self._watcher is not threading.current_thread():
-            self._watcher.join(timeout=5)
+        w = self._watcher
+        if w is None or w is threading.current_thread():
+            return
+        w.join(timeout=self.rendezvous_timeout_s + 2 * WATCH_POLL_S + 1)
+        if w.is_alive():
+            log.warning("the membership watcher did not stop in %.0fs",
+                        self.rendezvous_timeout_s)
 
     # -------------------------------------------------------------- plans
     def initial_plan(self) -> Plan:

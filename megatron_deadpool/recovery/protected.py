@@ -249,6 +249,12 @@ class Protected:
             out["snapshot"] = cpu.snapshot_stats(m.copier.copy_times, n, calib)
         return out
 
-    def close(self) -> None:
-        if self.mirror is not None:
-            self.mirror.close()
+    def close(self, abort=None) -> None:
+        """Stop the mirror thread. ``abort()`` first when a snapshot job is still running: it
+        may be blocked on a dead peer, and a thread left in native code when the process
+        exits ends it in std::terminate."""
+        if self.mirror is None:
+            return
+        if abort and not self.mirror.quiesce(0):
+            abort()
+        self.mirror.close()

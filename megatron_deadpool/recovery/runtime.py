@@ -306,14 +306,14 @@ class Runtime:
         self.member.report_fatal(self.h.rank, exc)
 
     def close(self, destroy: bool = True) -> None:
-        """Stop the threads and (``destroy``) free every communicator before the process
-        exits: exiting with live gloo groups and threads ends in std::terminate at
-        interpreter shutdown."""
+        """Stop the threads and (``destroy``: an error exit, where a snapshot job may be
+        blocked on a dead peer, so abort it first) free every communicator before the process
+        exits: live groups or threads in native code end in std::terminate at exit."""
         if self._closed:
             return
         self._closed = True
         self.member.close()
-        self.att.close()
+        self.att.close(abort=destroy and (lambda: self.world.abort("exit", self.h.rank)))
         if destroy:
             self.world.destroy()
         else:

@@ -179,8 +179,9 @@ def main(argv=None) -> int:
     validate(args, world_size)
 
     from .. import api
-    from ..worker_env import log_to_stdout
+    from ..worker_env import dump_stacks_on_crash, log_to_stdout
 
+    dump_stacks_on_crash()
     _choose_device(args)
     log_to_stdout()
     preimport()
