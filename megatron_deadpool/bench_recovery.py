@@ -97,18 +97,29 @@ def recovery(repeats: int = 3, world_sizes: Sequence[int] = (4, 8, 16),
     log = os.path.join(work, "workers.log")
     print(f"[bench recovery] world sizes {sizes}, {repeats} run(s) each; worker output in "
           f"{log}", flush=True)
-    runs = []
+    runs, failed = [], []
     for w in sizes:
         samples = []
         for i in range(repeats):
-            samples.append(_one(work, f"w{w}-run{i}", w, f"kill:node=1@iter={KILL_ITER}", [],
-                                log))
+            try:
+                samples.append(_one(work, f"w{w}-run{i}", w, f"kill:node=1@iter={KILL_ITER}",
+                                    [], log))
+            except DeadpoolError as exc:  # recorded and reported; the other runs go on
+                failed.append({"world_size": w, "run": i, "error": str(exc)})
+                print(f"W={w:<3} run {i + 1}/{repeats}: FAILED: {exc}", flush=True)
+                continue
             _print_run(w, i, repeats, samples[-1])
-        runs.append(aggregate(w, samples, samples[-1]["shard_bytes"]))
-        print(f"W={w}: median total {runs[-1]['total_s_median']:.3f} s", flush=True)
-    result = {"config": CONFIG, "runs": runs, "work_dir": work}
+        if samples:
+            runs.append(aggregate(w, samples, samples[-1]["shard_bytes"]))
+            print(f"W={w}: median total {runs[-1]['total_s_median']:.3f} s", flush=True)
+    result = {"config": CONFIG, "runs": runs, "failed_runs": failed, "work_dir": work}
     if hang:
-        result["hang"] = _hang(work, sizes[len(sizes) // 2], log)
+        try:
+            result["hang"] = _hang(work, sizes[len(sizes) // 2], log)
+        except DeadpoolError as exc:
+            failed.append({"world_size": sizes[len(sizes) // 2], "run": "hang",
+                           "error": str(exc)})
+            print(f"hang run FAILED: {exc}", flush=True)
     print(f"[bench recovery] worker output in {log}", flush=True)
     return result
 

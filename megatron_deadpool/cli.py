@@ -237,7 +237,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(result, f, indent=2)
-            return 0
+            return 1 if result.get("failed_runs") else 0
     except DeadpoolError as exc:
         print(f"deadpool: error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -2,13 +2,11 @@
 That unblocks a collective pending on a hung peer (``abort()`` would not), while the
 coordinator store keeps working."""
 
-import os
 import socket
 import threading
 import time
 import traceback
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -21,12 +19,8 @@ def _port():
         return s.getsockname()[1]
 
 
-def _worker(rank, port, q, lazy=False):
+def _worker(rank, port, q):
     try:
-        if lazy:  # what World.init_process_group sets: pairs connect on first use
-            from megatron_deadpool.recovery.world import lazy_gloo_env
-
-            lazy_gloo_env(os.environ)
         store = torch.distributed.TCPStore("127.0.0.1", port, 3, rank == 0,
                                            wait_for_workers=False)
         torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=3)
@@ -54,12 +48,11 @@ def _worker(rank, port, q, lazy=False):
         q.put((rank, traceback.format_exc(), 0.0, False))
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
-def test_socket_shutdown_unblocks_pending_gloo_collectives(lazy):
+def test_socket_shutdown_unblocks_pending_gloo_collectives():
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _port()
-    procs = [ctx.Process(target=_worker, args=(r, port, q, lazy)) for r in range(3)]
+    procs = [ctx.Process(target=_worker, args=(r, port, q)) for r in range(3)]
     for p in procs:
         p.start()
     res = {r: (o, dt, ok) for r, o, dt, ok in (q.get(timeout=120) for _ in procs)}
@@ -84,49 +77,3 @@ def test_nccl_error_handling_never_tears_a_survivor_down():
     assert set(env.values()) == {"2"}
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
     assert nccl_error_handling_env(env) == [] and env["NCCL_ASYNC_ERROR_HANDLING"] == "2"
-
-
-def _ring_worker(rank, world, port, q):
-    try:
-        from megatron_deadpool.recovery.world import World
-
-        w = World("gloo", port, rendezvous_timeout_s=60, collective_timeout_s=60,
-                  emit=lambda *a, **k: None)
-        store = torch.distributed.TCPStore("127.0.0.1", port, world, rank == 0,
-                                           wait_for_workers=False)
-        w.init_process_group(store, gen=0, rank=rank, world_size=world)
-        group = torch.distributed.new_group(backend="gloo")  # like the mirror's group
-        built = len(comm_socket_fds([port]))
-        store.set(f"built{rank}", "1")  # nobody connects before everyone counted
-        store.wait([f"built{r}" for r in range(world)])
-        works = [torch.distributed.isend(torch.ones(2), (rank + 1) % world, group=group),
-                 torch.distributed.irecv(torch.empty(2), (rank - 1) % world, group=group)]
-        for work in works:
-            work.wait()
-        used = len(comm_socket_fds([port]))
-        torch.distributed.barrier(group=group)
-        q.put((rank, built, used, None))
-        store.set(f"left{rank}", "1")
-        if rank == 0:
-            store.wait([f"left{r}" for r in range(world)])
-        w.destroy()
-    except BaseException:  # noqa: BLE001
-        q.put((rank, 0, 0, traceback.format_exc()))
-
-
-def test_world_connects_gloo_pairs_on_first_use_only():
-    """A generation's world and a world-wide group cost no connections when built; a ring
-    exchange then connects each rank to its two neighbours only (not a full mesh)."""
-    os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    world, port = 5, _port()
-    procs = [ctx.Process(target=_ring_worker, args=(r, world, port, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    res = {r: (b, u, err) for r, b, u, err in (q.get(timeout=120) for _ in procs)}
-    for p in procs:
-        p.join(timeout=30)
-    assert all(err is None for _, _, err in res.values()), res
-    assert all(b == 0 for b, _, _ in res.values()), res
-    assert all(u == 2 for _, u, _ in res.values()), res

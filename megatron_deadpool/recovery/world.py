@@ -47,22 +47,10 @@ def nccl_error_handling_env(environ) -> list:
     return overridden
 
 
-# TORCH_GLOO_LAZY_INIT=1 (read by torch 2.13 at every ProcessGroupGloo construction): a gloo
-# group connects a pair of members on their first exchange instead of a full mesh when the
-# group is built. A generation's world and its groups then cost O(1) store operations per
-# rank to build instead of one connection per peer and group (the default group alone is a
-# full mesh of W - 1 connections per rank), and pairs that never talk never connect (the
-# mirror group's members talk to their buddies only; megatron builds groups training never
-# uses). A pair's connection is made in the first step instead. A value the user set wins.
-GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
-
-
-def lazy_gloo_env(environ) -> bool:
-    """Connect gloo pairs on first use unless the user chose otherwise; True when set."""
-    if environ.get(GLOO_LAZY_INIT) is not None:
-        return False
-    environ[GLOO_LAZY_INIT] = "1"
-    return True
+# gloo groups are connected eagerly (a full mesh per group when it is built). With
+# TORCH_GLOO_LAZY_INIT=1 (pairs connect on first use) building is cheaper, but a W=16 hot
+# swap once hung: after the abort shut a half-connected pair down, a gloo_tcp_loop thread
+# spun on it and the old group's destructor never returned (docs/benchmarks.md). Not set here.
 
 
 class World:
@@ -92,7 +80,6 @@ class World:
             for var, old in nccl_error_handling_env(os.environ):
                 log.warning("%s=%s would let a dead peer take this process down; using %s "
                             "(CleanUpOnly)", var, old, NCCL_ASYNC_ERROR_HANDLING)
-        lazy_gloo_env(os.environ)
         dist.init_process_group(backend=self.backend, store=dist.PrefixStore(f"gen{gen}/", store),
                                 rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=self.rendezvous_timeout_s))
