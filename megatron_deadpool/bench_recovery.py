@@ -56,6 +56,7 @@ def aggregate(world_size: int, samples: List[dict], shard_bytes: Optional[int]) 
     totals = [s["total_s"] for s in samples]
     walls = [s["wall_s"] for s in samples if s.get("wall_s") is not None]
     return {"world_size": world_size, "nodes": world_size // PROCS_PER_NODE, "spare_nodes": 1,
+            "processes": world_size + PROCS_PER_NODE,  # the spare node's included
             "repeats": len(samples), "phases_s": phases,
             "total_s_median": round(statistics.median(totals), 4), "total_s": spread(totals),
             "wall_s": spread(walls) if walls else None,
@@ -112,7 +113,8 @@ def recovery(repeats: int = 3, world_sizes: Sequence[int] = (4, 8, 16),
         if samples:
             runs.append(aggregate(w, samples, samples[-1]["shard_bytes"]))
             print(f"W={w}: median total {runs[-1]['total_s_median']:.3f} s", flush=True)
-    result = {"config": CONFIG, "runs": runs, "failed_runs": failed, "work_dir": work}
+    result = {"config": CONFIG, "runs": runs, "failed_runs": failed, "work_dir": work,
+              "cpu_cores": os.cpu_count()}
     if hang:
         try:
             result["hang"] = _hang(work, sizes[len(sizes) // 2], log)

@@ -122,7 +122,7 @@ def load_measured(path) -> Dict:
                             f"recovery --json {p.name}` and pass it with --measured")
     try:
         data = json.loads(p.read_text())
-        runs = [_run_point(r) for r in data["runs"]]
+        runs = [_run_point(r, data.get("cpu_cores")) for r in data["runs"]]
     except (ValueError, KeyError, TypeError) as exc:
         raise DeadpoolError(f"{p}: not a bench recovery result ({exc!r})") from None
     if len({r["world_size"] for r in runs}) < 2:
@@ -130,14 +130,19 @@ def load_measured(path) -> Dict:
     return {"runs": runs, "placeholder": bool(data.get("placeholder"))}
 
 
-def _run_point(r: Dict) -> Dict:
+def _run_point(r: Dict, cores: Optional[int]) -> Dict:
+    """``oversub``: processes per CPU core during the run (>= 1). The CPU benchmark runs
+    all W + spare processes on a few cores, so a CPU-bound phase's wall time grows with it;
+    the laws are fitted to phase / oversub (a process with a core of its own)."""
     def med(v):
         return float(v["median"] if isinstance(v, dict) else v)
 
     phases = {ph: med(r["phases_s"][ph]) for ph in PHASE_ORDER}
+    procs = r.get("processes")
     return {"world_size": int(r["world_size"]), "phases_s": phases,
             "total_s": float(r.get("total_s_median", sum(phases.values()))),
-            "shard_bytes": r.get("shard_bytes_per_rank")}
+            "shard_bytes": r.get("shard_bytes_per_rank"),
+            "oversub": max(1.0, procs / cores) if procs and cores else 1.0}
 
 
 def fit_phases(runs: List[Dict], cfg: SimConfig) -> Dict[str, scaling.Law]:
@@ -146,7 +151,7 @@ def fit_phases(runs: List[Dict], cfg: SimConfig) -> Dict[str, scaling.Law]:
     ws = [r["world_size"] for r in runs]
     laws = {}
     for ph in PHASE_ORDER:
-        ys = [r["phases_s"][ph] for r in runs]
+        ys = [r["phases_s"][ph] / r["oversub"] for r in runs]
         if ph == "restore_state":
             ys = [max(0.0, y - _transfer_s(r["shard_bytes"] or 0, cfg.measured_link_gbps))
                   for y, r in zip(ys, runs)]
@@ -174,14 +179,14 @@ def validate(runs: List[Dict], cfg: SimConfig) -> List[Dict]:
     for w in sorted({r["world_size"] for r in runs}):
         mine = [r for r in runs if r["world_size"] == w]
         measured = sum(r["total_s"] for r in mine) / len(mine)
-        nbytes = mine[0]["shard_bytes"] or 0
+        nbytes, k = mine[0]["shard_bytes"] or 0, mine[0]["oversub"]
         loo = fit_phases([r for r in runs if r["world_size"] != w], cfg)
-        e = {"world_size": w, "method": "leave-one-out",
-             **_entry(w, sum(predict_phases(loo, w, nbytes, cfg.measured_link_gbps)
-                             .values()), measured),
+        e = {"world_size": w, "method": "leave-one-out", "oversubscription": round(k, 3),
+             **_entry(w, k * sum(predict_phases(loo, w, nbytes, cfg.measured_link_gbps)
+                                 .values()), measured),
              "measured_total_s": round(measured, 4)}
-        ins = _entry(w, sum(predict_phases(full, w, nbytes, cfg.measured_link_gbps)
-                            .values()), measured)
+        ins = _entry(w, k * sum(predict_phases(full, w, nbytes, cfg.measured_link_gbps)
+                                .values()), measured)
         e.update({f"in_sample_{k}": v for k, v in ins.items()})
         out.append(e)
     return out

@@ -154,3 +154,23 @@ def test_plot_writes_a_png(tmp_path):
     assert main(["sim", "--measured", _measured(tmp_path / "m.json"),
                  "--plot", str(tmp_path / "g.png")]) == 0
     assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_oversubscription_is_removed_before_fitting(tmp_path):
+    """Phases that only grow because W + 2 processes share 2 cores fit as O(1) per process,
+    and the validation multiplies the prediction back (exact here)."""
+    runs = []
+    for w in (4, 8, 16):
+        k = (w + 2) / 2
+        runs.append({"world_size": w, "processes": w + 2,
+                     "phases_s": {ph: 0.05 * k for ph in PHASE_ORDER},
+                     "total_s_median": 0.05 * k * len(PHASE_ORDER)})
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"runs": runs, "cpu_cores": 2}))
+    measured = sim.load_measured(path)
+    cfg = sim.SimConfig()
+    laws = sim.fit_phases(measured["runs"], cfg)
+    assert all(laws[ph].form == "O(1)" for ph in PHASE_ORDER if ph != "restore_state")
+    for e in sim.validate(measured["runs"], cfg):
+        assert e["oversubscription"] == (e["world_size"] + 2) / 2
+        assert abs(e["rel_error"]) < 1e-3 and e["within_25pct"]
