@@ -31,6 +31,13 @@ def deadpool(args, cwd, timeout=600):
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def assert_ok_and_bitwise(p, s, ref):
+    """The job exited 0 and its final fingerprint and losses equal the failure-free run's."""
+    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
+    assert s["final_state_sha256"] == ref["final_state_sha256"]
+    assert s["losses"] == ref["losses"]
+
+
 def launch(tmp_path, flags, nodes=4, ppn=2, spares=0, inject=(), extra_launch=(),
            timeout=600, name="run"):
     summary = tmp_path / f"{name}.json"

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from conftest import REPO, launch, layout_flags
+from conftest import REPO, assert_ok_and_bitwise, launch, layout_flags
 from megatron_deadpool.launch.options import free_port
 
 pytestmark = [pytest.mark.slow]
@@ -24,8 +24,7 @@ def test_crash_on_a_healthy_node_restarts_in_place(tmp_path, reference):
     p, s = launch(tmp_path, FLAGS + ["--deadpool", "--deadpool-max-local-restarts", "1",
                                      "--deadpool-events", str(events)],
                   spares=1, inject=["kill:rank=5@iter=6"])
-    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
-    assert s["final_state_sha256"] == reference(FLAGS)["final_state_sha256"]
+    assert_ok_and_bitwise(p, s, reference(FLAGS))
     (rec,) = s["recoveries"]
     assert rec["failed_ranks"] == [5]
     new_lid = rec["spare_of_rank"]["5"]
@@ -43,8 +42,7 @@ def test_second_crash_of_the_same_rank_takes_the_spare(tmp_path, reference):
     """The limit is per rank: with N=1 the second crash of rank 5 spends the spare node."""
     p, s = launch(tmp_path, FLAGS + ["--deadpool", "--deadpool-max-local-restarts", "1"],
                   spares=1, inject=["kill:rank=5@iter=4", "kill:rank=5@iter=9"])
-    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
-    assert s["final_state_sha256"] == reference(FLAGS)["final_state_sha256"]
+    assert_ok_and_bitwise(p, s, reference(FLAGS))
     first, second = s["recoveries"]
     assert first["spare_of_rank"]["5"] not in (8, 9)
     assert second["spare_of_rank"]["5"] in (8, 9)
@@ -54,8 +52,7 @@ def test_second_crash_of_the_same_rank_takes_the_spare(tmp_path, reference):
 def test_node_kill_still_uses_the_spare_node(tmp_path, reference):
     p, s = launch(tmp_path, FLAGS + ["--deadpool", "--deadpool-max-local-restarts", "3"],
                   spares=1, inject=["kill:node=1@iter=6"])
-    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
-    assert s["final_state_sha256"] == reference(FLAGS)["final_state_sha256"]
+    assert_ok_and_bitwise(p, s, reference(FLAGS))
     assert s["recoveries"][0]["spare_of_rank"] == {"2": 8, "3": 9}
     assert s["local_restarts"] == []
 
