@@ -5,10 +5,10 @@ mirror and the restore decision (``restore.py``).
     WorkerState:  STANDBY ──promoted──► ACTIVE ──failure──► RECOVERING ──restored──► ACTIVE
                   (a spare)             └──────────────finish──────────────► DONE
 
-    recovery = abort ─► rendezvous ─► rebuild_groups ─► restore_state ─► (timed) first step;
-               each step a small method taking and returning the Attempt; a failure
-               inside an attempt starts the next one on a newer generation, at most
-               MAX_ATTEMPTS, each wait bounded by the rendezvous timeout.
+    recovery = abort ─► rendezvous ─► rebuild_groups ─► restore_state ─► (timed) first step,
+               each a method taking and returning the Attempt; a failure inside one starts
+               the next on a newer generation (MAX_ATTEMPTS, waits bounded by the rendezvous
+               timeout). A member that does not take a newer plan dumps its stacks (stall.py).
 
 A failure is a membership fact, not an exception type: ``recover`` goes on only if this
 generation was aborted (a newer one exists) or, after a communication error, a newer one
@@ -34,6 +34,7 @@ from .classify import is_comm_failure, is_peer_failure
 from .formation import adopt, form_world
 from .phases import EventSink, Phase, PhaseTimer
 from .rebind import audit_rebind, weak_groups
+from .stall import StallWatch
 from .world import World
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class Runtime:
         self._first_step: Optional[tuple] = None
         self._promote_t0 = 0.0
         self._closed = False
+        self.stall = StallWatch(max(10.0, config.rendezvous_timeout_s / 4))
 
     # ================================================================ membership
     def join(self) -> None:
@@ -96,6 +98,7 @@ class Runtime:
 
     def _on_generation(self, gen: int) -> None:
         self.world.abort(f"generation {gen} published", self.h.rank, newer_than=gen)
+        self.stall.observe(gen, self.plan.gen if self.plan is not None else None)
 
     def _on_stop(self, reason: str) -> None:
         if self.state not in (WorkerState.DONE, WorkerState.STANDBY):
@@ -286,8 +289,7 @@ class Runtime:
                   "restored_iter": a.restored, "iteration_at_failure": a.iteration_at_failure,
                   "failed_ranks": list(self.plan.failed_ranks)}
         log.info("generation %s: restored iteration %s", self.plan.gen, a.restored)
-        self.sink.emit("restored", generation=self.plan.gen, rank=self.h.rank,
-                       iteration=a.restored)
+        self.sink.emit("restored", generation=self.plan.gen, rank=self.h.rank, iteration=a.restored)
         self._first_step = (a.timer, time.perf_counter(), report)
 
     # ================================================================ end
@@ -314,7 +316,4 @@ class Runtime:
         self._closed = True
         self.member.close()
         self.att.close(abort=destroy and (lambda: self.world.abort("exit", self.h.rank)))
-        if destroy:
-            self.world.destroy()
-        else:
-            self.world.forget()
+        self.world.destroy() if destroy else self.world.forget()
