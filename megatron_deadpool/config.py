@@ -93,6 +93,13 @@ class DeadpoolConfig:
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
+    @property
+    def take_plan_timeout_s(self) -> float:
+        """How long a member of a newly published generation may take to reach its plan
+        (abort, quiesce, destroy) before the decider fences it as hung: well inside the
+        rendezvous timeout, so the others never wait that out."""
+        return max(10.0, self.rendezvous_timeout_s / 4)
+
     def decider(self) -> "DeciderConfig":
         """The decider's settings, derived (never repeated)."""
         return DeciderConfig(heartbeat_timeout_s=self.heartbeat_timeout_s,
@@ -101,6 +108,7 @@ class DeadpoolConfig:
                              starting_spare_wait_s=min(30.0, self.rendezvous_timeout_s / 2),
                              max_local_restarts=self.max_local_restarts,
                              local_restart_wait_s=self.rendezvous_timeout_s / 2,
+                             take_plan_timeout_s=self.take_plan_timeout_s,
                              spare_wait_s=(self.spare_wait_timeout_s
                                            if self.on_no_spare == "wait" else 0.0))
 
@@ -126,6 +134,9 @@ class DeciderConfig:
     # --deadpool-on-no-spare wait: a failure with no spare waits this long for a spare to
     # join (``deadpool launch --join-as-spare``); 0: stop at once.
     spare_wait_s: float = 0.0
+    # A member of the newest generation that has not taken its plan this long after it was
+    # published is hung (e.g. blocked where the abort did not reach): it is fenced.
+    take_plan_timeout_s: float = 30.0
 
 
 def _flag(field_name: str) -> str:

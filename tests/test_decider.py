@@ -45,9 +45,9 @@ def _join(store, lid, token="secret"):
     _c(store, token).push_event("join", lid=lid, nonce=f"n{lid}")
 
 
-def _beat(store, lid, seq, iteration=1):
-    _c(store).beat(lid, seq=seq, iteration=iteration, state="ACTIVE",
-                   committed=iteration - 1)
+def _beat(store, lid, seq, iteration=1, gen=0, state="ACTIVE"):
+    _c(store).beat(lid, seq=seq, iteration=iteration, state=state,
+                   committed=iteration - 1, gen=gen)
 
 
 def test_wrong_token_is_refused():
@@ -180,3 +180,42 @@ def test_a_fenced_process_needs_no_grace_window():
         d.step()
     assert any(c == {"op": "signal", "signal": "SIGKILL", "lids": [5]} for _, c in cmds)
     assert d.gen == 1 and d.plans[-1].failed_ranks == (5,)
+
+
+def test_a_member_that_never_takes_the_new_plan_is_fenced():
+    """After a kill, every member of generation 1 takes its plan but lid 3, whose heartbeat
+    stays fresh (its watcher runs) while its main thread is blocked where the abort did not
+    reach: it is fenced after take_plan_timeout_s, and generation 2 replaces it."""
+    store = dist.HashStore()
+    procs = {r: Proc(lid=r, node=r // 2, role="active", rank=r) for r in range(8)}
+    procs.update({lid: Proc(lid=lid, node=4 + (lid - 8) // 2, role="spare")
+                  for lid in range(8, 12)})
+    cmds, clock = [], Clock()
+    d = Decider(store=store, procs=procs, world_size=8, token="secret",
+                send_command=lambda node, cmd: cmds.append((node, cmd)),
+                config=DeciderConfig(heartbeat_timeout_s=1.0, heartbeat_interval_s=0.1,
+                                     grace_s=0.0, take_plan_timeout_s=3.0),
+                log=lambda m: None, clock=clock)
+    d.publish_initial_plan()
+    for lid in range(12):
+        _join(store, lid)
+    d.step()
+    _c(store).push_event("exit", lid=4, code=-9, node=2)
+    _c(store).push_event("exit", lid=5, code=-9, node=2)
+    d.step()
+    assert _c(store).current_gen() == 1
+    fenced_at = None
+    for seq in range(1, 80):
+        for lid in [0, 1, 2, 3, 6, 7, 8, 9, 10, 11]:
+            took = 0 if lid == 3 else 1
+            _beat(store, lid, seq, gen=took if lid < 10 else -1, state="RECOVERING")
+        clock.advance(0.1)
+        d.step()
+        if fenced_at is None and any(c.get("lids") == [3] for _, c in cmds):
+            fenced_at = seq * 0.1
+        if _c(store).current_gen() == 2:
+            break
+    assert fenced_at is not None and 2.95 < fenced_at < 3.5, fenced_at
+    assert [c["lids"] for _, c in cmds] == [[3]]  # nobody else: they all took the plan
+    assert _c(store).current_gen() == 2
+    assert _c(store).get_plan(2).failed_ranks == (3,)

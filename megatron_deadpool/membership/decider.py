@@ -20,8 +20,8 @@ from ..errors import NoSpareError, StopReason
 from . import plan as plans
 from . import store as st
 from .local_restart import LocalRestarts
-from .procs import Proc, ProcState, Role  # noqa: F401 - Proc, Role: part of this API
-from .store import CommandOp, EventKind, WorkerState
+from .procs import Proc, ProcState, Role, hung, observe  # noqa: F401 - Proc: this API
+from .store import CommandOp, EventKind
 
 
 @dataclass
@@ -57,6 +57,7 @@ class Decider:
         self.next_lid = max(self.procs, default=-1) + 1
         self.local = LocalRestarts(self.config.max_local_restarts)
         self.waited_for_spare_s = 0.0
+        self._plan_t = 0.0  # when the newest plan was published
 
     # ------------------------------------------------------------------ setup
     @property
@@ -75,6 +76,7 @@ class Decider:
     def _publish(self, plan: plans.Plan) -> None:
         self.coord.publish_plan(plan)
         self.plans.append(plan)
+        self._plan_t = self.clock()
 
     def note_fault(self, t: float) -> None:
         """A scheduled fault was delivered at ``t``: detection latency is measured from it."""
@@ -160,23 +162,13 @@ class Decider:
             return
         beats = self.coord.heartbeats([p.lid for p in live])
         for p in live:
-            hb = beats.get(p.lid)
-            if hb is None:
-                continue
-            if hb["seq"] != p.hb_seq:
-                p.hb_seq, p.hb_change = hb["seq"], now
-            if hb["iteration"] != p.hb_iteration or hb["state"] != WorkerState.ACTIVE:
-                p.hb_iteration, p.progress_change = hb["iteration"], now
-            p.hb_committed = hb["committed"]
+            if beats.get(p.lid) is not None:
+                observe(p, beats[p.lid], now)
         self._poll_agents(now)
         for p in live:
-            if p.state != ProcState.ALIVE:
-                continue
-            if now - p.hb_change > self.config.heartbeat_timeout_s:
-                self._fence(p, f"heartbeat stale for {now - p.hb_change:.1f}s", p.hb_change)
-            elif p.rank is not None and now - p.progress_change > self.config.progress_timeout_s:
-                self._fence(p, f"no progress for {now - p.progress_change:.1f}s",
-                            p.progress_change)
+            verdict = hung(p, now, self.config, self.gen, self._plan_t)
+            if p.state == ProcState.ALIVE and verdict is not None:
+                self._fence(p, *verdict)
 
     def _poll_agents(self, now: float) -> None:
         """A node whose agent heartbeat went stale is lost: all its processes are dead (no

@@ -39,6 +39,7 @@ class Member:
         self.store = st.connect(host, port, rendezvous_timeout_s)
         self.coord = st.Coordinator(self.store, secret)
         self.stop_reason: Optional[str] = None
+        self.taken_gen = -1  # the newest plan this process took (heartbeats carry it)
         self._stop = threading.Event()
         self._watcher: Optional[threading.Thread] = None
 
@@ -91,7 +92,11 @@ class Member:
 
     # -------------------------------------------------------------- plans
     def initial_plan(self) -> Plan:
-        return self.coord.get_plan(0)
+        return self._took(self.coord.get_plan(0))
+
+    def _took(self, plan: Plan) -> Plan:
+        self.taken_gen = max(self.taken_gen, plan.gen)
+        return plan
 
     def current_gen(self) -> int:
         return self.coord.current_gen()
@@ -128,7 +133,7 @@ class Member:
             if g >= min_gen:
                 plan = self.coord.get_plan(g)
                 if plan.rank(self.lid) is not None or timeout_s is not None:
-                    return plan
+                    return self._took(plan)
                 min_gen = g + 1
             if deadline is not None and time.monotonic() > deadline and \
                     self.coord.is_failing(min_gen - 1):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
+
+from .store import WorkerState
 
 
 class ProcState(str, enum.Enum):
@@ -30,5 +32,36 @@ class Proc:
     hb_change: float = 0.0
     hb_iteration: int = 0
     hb_committed: int = -1
+    hb_gen: int = -1  # the newest plan it took
     progress_change: float = 0.0
     exit_code: Optional[int] = None
+
+
+def observe(p: Proc, hb: dict, now: float) -> None:
+    """Take a heartbeat record into ``p``: a new sequence number is a sign of life; a new
+    iteration, or any state but ACTIVE (recovering, done), is progress."""
+    if hb["seq"] != p.hb_seq:
+        p.hb_seq, p.hb_change = hb["seq"], now
+    if hb["iteration"] != p.hb_iteration or hb["state"] != WorkerState.ACTIVE:
+        p.hb_iteration, p.progress_change = hb["iteration"], now
+    p.hb_committed, p.hb_gen = hb["committed"], hb.get("gen", p.hb_gen)
+
+
+def hung(p: Proc, now: float, cfg, gen: int, plan_t: float) -> Optional[Tuple[str, float]]:
+    """(why, since) if the live process ``p`` must be fenced, else None (pure):
+
+    * its heartbeat is stale (SIGSTOP, a frozen node);
+    * a member makes no progress (a hang inside a step);
+    * a member of the newest generation (after a failure, published at ``plan_t``) has not
+      taken its plan in time: it is blocked where the abort did not reach it, and the others
+      would wait for it at the rendezvous until their timeout.
+    """
+    if now - p.hb_change > cfg.heartbeat_timeout_s:
+        return f"heartbeat stale for {now - p.hb_change:.1f}s", p.hb_change
+    if p.rank is None:
+        return None
+    if now - p.progress_change > cfg.progress_timeout_s:
+        return f"no progress for {now - p.progress_change:.1f}s", p.progress_change
+    if gen >= 1 and p.hb_gen < gen and now - plan_t > cfg.take_plan_timeout_s:
+        return f"did not take generation {gen}'s plan in {now - plan_t:.1f}s", plan_t
+    return None

@@ -70,7 +70,7 @@ class Runtime:
         self._first_step: Optional[tuple] = None
         self._promote_t0 = 0.0
         self._closed = False
-        self.stall = StallWatch(max(10.0, config.rendezvous_timeout_s / 4))
+        self.stall = StallWatch(config.take_plan_timeout_s / 2)  # before the decider fences
 
     # ================================================================ membership
     def join(self) -> None:
@@ -94,7 +94,7 @@ class Runtime:
     def _status(self) -> dict:
         m = self.att.mirror
         return {"iteration": self.att.iteration, "state": self.state.value,
-                "committed": m.committed if m is not None else -1}
+                "committed": m.committed if m is not None else -1, "gen": self.member.taken_gen}
 
     def _on_generation(self, gen: int) -> None:
         self.world.abort(f"generation {gen} published", self.h.rank, newer_than=gen)
