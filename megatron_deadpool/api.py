@@ -99,9 +99,10 @@ class Deadpool:
         member = Member(env.lid, env.node, env.store_host, env.store_port, secret,
                         cfg.heartbeat_interval_s, cfg.rendezvous_timeout_s)
         world = World(self.backend, env.store_port, cfg.rendezvous_timeout_s,
-                      cfg.collective_timeout_s, EventSink(cfg.events_path).emit)
+                      cfg.collective_timeout_s, EventSink(cfg.events_path).emit,
+                      gloo_op_timeout_s=cfg.gloo_op_timeout_s)
         return Runtime(self, cfg, env, member, world,
-                       Protected(cfg.replicas, cfg.collective_timeout_s,
+                       Protected(cfg.replicas, (cfg.rendezvous_timeout_s, cfg.gloo_op_timeout_s),
                                  snapshot.job_id(secret), cfg.fallback_save_dir,
                                  cfg.fallback_every))
 

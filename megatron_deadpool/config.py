@@ -100,6 +100,16 @@ class DeadpoolConfig:
         rendezvous timeout, so the others never wait that out."""
         return max(10.0, self.rendezvous_timeout_s / 4)
 
+    @property
+    def gloo_op_timeout_s(self) -> float:
+        """The deadline of one gloo operation on the mirror's group, and on every training
+        group when the backend is gloo (CPU). gloo never wakes a send that was queued on a
+        connection when that connection fails (tcp::Pair::signalException signals the
+        queued ops' ``buf`` but not their ``ubuf``): the sender waits out its deadline, and
+        the process reaches its plan only after that. So the deadline stays well inside the
+        time the decider gives a member to take its plan (half of it)."""
+        return self.take_plan_timeout_s / 2
+
     def decider(self) -> "DeciderConfig":
         """The decider's settings, derived (never repeated)."""
         return DeciderConfig(heartbeat_timeout_s=self.heartbeat_timeout_s,

@@ -88,7 +88,7 @@ def protect(model, optimizer, scheduler, state, replicas: int = 0):
 
     from megatron_deadpool.recovery.protected import Protected
 
-    p = Protected(replicas=replicas, collective_timeout_s=60)
+    p = Protected(replicas=replicas, mirror_timeouts_s=(60, 60))
     handle = SimpleNamespace(rank=0, device=torch.device("cpu"))
     plan = SimpleNamespace(node_of_rank=[0])
     p.attach(model, optimizer, scheduler, state, handle, plan, lambda it, phase: None)

@@ -53,7 +53,7 @@ SCRIPT = textwrap.dedent("""
         meta = ts.capture(state.iteration, state, sched, opt, with_cuda=False)
         return shard.rank_digest(model, opt, meta) + json.dumps(steps())
 
-    p = Protected(replicas=1, collective_timeout_s=60)
+    p = Protected(replicas=1, mirror_timeouts_s=(60, 60))
     p.model, p.optimizer, p.scheduler, p.train_state = model, opt, sched, state
     m = Mirror(0, 1)
     m.set_sources(lambda: shard.shard_tensors(opt, placeholders=True)

@@ -54,13 +54,22 @@ class GlooTransport(MirrorTransport):
     """Default: a dedicated gloo group over CPU tensors, so mirror traffic never queues behind
     training collectives (and works next to NCCL)."""
 
-    def __init__(self, timeout_s: float = 600.0, group=None):
+    def __init__(self, timeout_s: float = 600.0, group=None,
+                 create_timeout_s: Optional[float] = None):
+        """``timeout_s``: each operation's deadline (config.gloo_op_timeout_s: gloo leaves a
+        send queued on a failed connection waiting until it); ``create_timeout_s``: the
+        group's creation, which waits for every member (a promoted spare builds its model
+        first), default ``timeout_s``."""
         import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
 
         self._dist = dist
         self.timeout_s = timeout_s
-        self.group = group if group is not None else dist.new_group(
-            backend="gloo", timeout=timedelta(seconds=timeout_s))
+        if group is None:
+            group = dist.new_group(backend="gloo",
+                                   timeout=timedelta(seconds=create_timeout_s or timeout_s))
+            c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
+        self.group = group
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
 

@@ -29,9 +29,10 @@ log = logging.getLogger(__name__)
 
 
 class Protected:
-    def __init__(self, replicas: int, collective_timeout_s: float, job_id: int = 0,
+    def __init__(self, replicas: int, mirror_timeouts_s: tuple, job_id: int = 0,
                  fallback_dir: Optional[str] = None, fallback_every: int = 0):
-        self.replicas, self.collective_timeout_s = replicas, collective_timeout_s
+        # (the mirror group's creation, each of its operations): see GlooTransport
+        self.replicas, self.mirror_timeouts_s = replicas, mirror_timeouts_s
         self.fallback_dir, self.fallback_every = fallback_dir, fallback_every
         self.job_id = job_id  # snapshot.job_id(secret): copies of another job are refused
         self.model = self.optimizer = self.scheduler = self.train_state = None
@@ -96,7 +97,8 @@ class Protected:
     def _connect_mirror(self, plan) -> None:
         names = cpu.GLOO_THREAD_NAMES
         before = set().union(*(native_thread_ids(n) for n in names))
-        transport = GlooTransport(timeout_s=self.collective_timeout_s)
+        create_s, op_s = self.mirror_timeouts_s
+        transport = GlooTransport(timeout_s=op_s, create_timeout_s=create_s)
         # the mirror group's I/O thread and workers (training groups' threads existed before)
         self._gloo_tids = set().union(*(native_thread_ids(n) for n in names)) - before
         for tid in self._gloo_tids:

@@ -70,7 +70,7 @@ class Runtime:
         self._first_step: Optional[tuple] = None
         self._promote_t0 = 0.0
         self._closed = False
-        self.stall = StallWatch(config.take_plan_timeout_s / 2)  # before the decider fences
+        self.stall = StallWatch(config.take_plan_timeout_s * 0.75)  # before the decider fences
 
     # ================================================================ membership
     def join(self) -> None:
@@ -268,11 +268,11 @@ class Runtime:
     def _rebuild_groups(self, a: Attempt) -> Attempt:
         a.timer.start(Phase.REBUILD_GROUPS)
         self.world.build_groups()
+        self.world.set_collective_timeouts()  # before the mirror's group: it has its own
         self.att.rebind(self.h, self.plan)
         audit = audit_rebind(self.config.audit, self.att.slots, a.old_groups)
         if audit:
             self.sink.emit("audit", generation=self.plan.gen, rank=self.h.rank, **audit)
-        self.world.set_collective_timeouts()
         return a
 
     def _restore_state(self, a: Attempt) -> Attempt:

@@ -55,10 +55,12 @@ def nccl_error_handling_env(environ) -> list:
 
 class World:
     def __init__(self, backend: str, store_port: int, rendezvous_timeout_s: float,
-                 collective_timeout_s: float, emit: Callable[..., None]):
+                 collective_timeout_s: float, emit: Callable[..., None],
+                 gloo_op_timeout_s: Optional[float] = None):
         self.backend, self.store_port = backend, store_port
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.collective_timeout_s = collective_timeout_s
+        self.gloo_op_timeout_s = gloo_op_timeout_s  # config.gloo_op_timeout_s
         self.emit = emit
         self.mp_kwargs: Optional[dict] = None  # initialize_model_parallel's, recorded
         self.aborted = False
@@ -98,10 +100,16 @@ class World:
         ps.initialize_model_parallel(**kwargs)
 
     def set_collective_timeouts(self) -> None:
+        """Raise every group's timeout from the rendezvous bound to the collective timeout
+        (megatron's ``distributed_timeout_minutes`` if given). On gloo (CPU) the deadline is
+        at most ``gloo_op_timeout_s``: an op that gloo never wakes after a failure
+        (config.gloo_op_timeout_s) must not hold this process away from recovery."""
         from torch.distributed import distributed_c10d as c10d
 
         minutes = (self.mp_kwargs or {}).get("distributed_timeout_minutes")
         seconds = minutes * 60 if minutes else self.collective_timeout_s
+        if self.backend == "gloo" and self.gloo_op_timeout_s:
+            seconds = min(seconds, self.gloo_op_timeout_s)
         for pg in ab.all_process_groups():
             c10d._set_pg_timeout(timedelta(seconds=seconds), pg)
 
