@@ -95,6 +95,9 @@ class FakeWorld:
     def set_collective_timeouts(self):
         pass
 
+    def bound_gloo_deadlines(self):
+        pass
+
     def abort(self, reason, rank, newer_than=None):
         self.aborts.append(reason)
         self.aborted = True

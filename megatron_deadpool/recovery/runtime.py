@@ -154,6 +154,7 @@ class Runtime:
             self._recover_until_done(exc, iteration_at_failure=None)
 
     def before_step(self, iteration: int) -> None:
+        self.world.bound_gloo_deadlines()
         self.att.before_step(iteration)
         self.faults(iteration + 1, FaultPhase.FORWARD_BACKWARD)
 

@@ -61,6 +61,7 @@ class World:
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.collective_timeout_s = collective_timeout_s
         self.gloo_op_timeout_s = gloo_op_timeout_s  # config.gloo_op_timeout_s
+        self._long = False  # groups at the collective timeout (set_collective_timeouts)
         self.emit = emit
         self.mp_kwargs: Optional[dict] = None  # initialize_model_parallel's, recorded
         self.aborted = False
@@ -101,15 +102,23 @@ class World:
 
     def set_collective_timeouts(self) -> None:
         """Raise every group's timeout from the rendezvous bound to the collective timeout
-        (megatron's ``distributed_timeout_minutes`` if given). On gloo (CPU) the deadline is
-        at most ``gloo_op_timeout_s``: an op that gloo never wakes after a failure
+        (megatron's ``distributed_timeout_minutes`` if given): startup (model build, dataset
+        barriers, a spare's restore) may keep ranks apart for long."""
+        minutes = (self.mp_kwargs or {}).get("distributed_timeout_minutes")
+        self._set_timeouts(minutes * 60 if minutes else self.collective_timeout_s)
+        self._long = True
+
+    def bound_gloo_deadlines(self) -> None:
+        """Once training runs (every step calls this; it acts once per build), a gloo world's
+        groups get ``gloo_op_timeout_s``: an op that gloo never wakes after a failure
         (config.gloo_op_timeout_s) must not hold this process away from recovery."""
+        if self._long and self.backend == "gloo" and self.gloo_op_timeout_s:
+            self._set_timeouts(self.gloo_op_timeout_s)
+        self._long = False
+
+    def _set_timeouts(self, seconds: float) -> None:
         from torch.distributed import distributed_c10d as c10d
 
-        minutes = (self.mp_kwargs or {}).get("distributed_timeout_minutes")
-        seconds = minutes * 60 if minutes else self.collective_timeout_s
-        if self.backend == "gloo" and self.gloo_op_timeout_s:
-            seconds = min(seconds, self.gloo_op_timeout_s)
         for pg in ab.all_process_groups():
             c10d._set_pg_timeout(timedelta(seconds=seconds), pg)
 
