@@ -76,7 +76,6 @@ def test_no_spare_left_stops_cleanly(tmp_path):
     assert p.returncode == 1
     assert "no spare left" in p.stderr and "last committed iteration" in p.stderr
     assert s["ok"] is False and s["final_state_sha256"] is None
-    assert s["wall_s"] < 200
 
 
 @pytest.mark.ci
