@@ -219,3 +219,32 @@ def test_a_member_that_never_takes_the_new_plan_is_fenced():
     assert [c["lids"] for _, c in cmds] == [[3]]  # nobody else: they all took the plan
     assert _c(store).current_gen() == 2
     assert _c(store).get_plan(2).failed_ranks == (3,)
+
+
+def test_a_member_still_starting_up_is_not_fenced_for_the_plan():
+    """The take-plan fence judges only members that were training: one still in startup
+    (STANDBY: imports, model build on a loaded machine) is left to the rendezvous timeout."""
+    store = dist.HashStore()
+    procs = {r: Proc(lid=r, node=r // 2, role="active", rank=r) for r in range(8)}
+    procs.update({lid: Proc(lid=lid, node=4 + (lid - 8) // 2, role="spare")
+                  for lid in range(8, 12)})
+    cmds, clock = [], Clock()
+    d = Decider(store=store, procs=procs, world_size=8, token="secret",
+                send_command=lambda node, cmd: cmds.append((node, cmd)),
+                config=DeciderConfig(heartbeat_timeout_s=1.0, heartbeat_interval_s=0.1,
+                                     grace_s=0.0, take_plan_timeout_s=3.0),
+                log=lambda m: None, clock=clock)
+    d.publish_initial_plan()
+    for lid in range(12):
+        _join(store, lid)
+    d.step()
+    _c(store).push_event("exit", lid=4, code=-9, node=2)
+    _c(store).push_event("exit", lid=5, code=-9, node=2)
+    d.step()
+    for seq in range(1, 80):
+        for lid in [0, 1, 2, 3, 6, 7, 8, 9, 10, 11]:
+            state = "STANDBY" if lid == 3 else "RECOVERING"
+            _beat(store, lid, seq, gen=0 if lid == 3 else 1, state=state)
+        clock.advance(0.1)
+        d.step()
+    assert cmds == [] and _c(store).current_gen() == 1

@@ -33,6 +33,7 @@ class Proc:
     hb_iteration: int = 0
     hb_committed: int = -1
     hb_gen: int = -1  # the newest plan it took
+    hb_state: str = ""  # its WorkerState
     progress_change: float = 0.0
     exit_code: Optional[int] = None
 
@@ -45,6 +46,7 @@ def observe(p: Proc, hb: dict, now: float) -> None:
     if hb["iteration"] != p.hb_iteration or hb["state"] != WorkerState.ACTIVE:
         p.hb_iteration, p.progress_change = hb["iteration"], now
     p.hb_committed, p.hb_gen = hb["committed"], hb.get("gen", p.hb_gen)
+    p.hb_state = hb["state"]
 
 
 def hung(p: Proc, now: float, cfg, gen: int, plan_t: float) -> Optional[Tuple[str, float]]:
@@ -52,9 +54,11 @@ def hung(p: Proc, now: float, cfg, gen: int, plan_t: float) -> Optional[Tuple[st
 
     * its heartbeat is stale (SIGSTOP, a frozen node);
     * a member makes no progress (a hang inside a step);
-    * a member of the newest generation (after a failure, published at ``plan_t``) has not
-      taken its plan in time: it is blocked where the abort did not reach it, and the others
-      would wait for it at the rendezvous until their timeout.
+    * a member of the newest generation (after a failure, published at ``plan_t``) that was
+      training (attached: active or recovering) has not taken its plan in time: it is blocked
+      where the abort did not reach it, and the others would wait for it at the rendezvous
+      until their timeout. A member still starting up (imports, model build) is not judged
+      by this: its startup may outlast the take-plan timeout on a loaded machine.
     """
     if now - p.hb_change > cfg.heartbeat_timeout_s:
         return f"heartbeat stale for {now - p.hb_change:.1f}s", p.hb_change
@@ -62,6 +66,7 @@ def hung(p: Proc, now: float, cfg, gen: int, plan_t: float) -> Optional[Tuple[st
         return None
     if now - p.progress_change > cfg.progress_timeout_s:
         return f"no progress for {now - p.progress_change:.1f}s", p.progress_change
-    if gen >= 1 and p.hb_gen < gen and now - plan_t > cfg.take_plan_timeout_s:
+    training = p.hb_state in (WorkerState.ACTIVE, WorkerState.RECOVERING)
+    if training and gen >= 1 and p.hb_gen < gen and now - plan_t > cfg.take_plan_timeout_s:
         return f"did not take generation {gen}'s plan in {now - plan_t:.1f}s", plan_t
     return None
