@@ -182,10 +182,9 @@ def test_a_fenced_process_needs_no_grace_window():
     assert d.gen == 1 and d.plans[-1].failed_ranks == (5,)
 
 
-def test_a_member_that_never_takes_the_new_plan_is_fenced():
-    """After a kill, every member of generation 1 takes its plan but lid 3, whose heartbeat
-    stays fresh (its watcher runs) while its main thread is blocked where the abort did not
-    reach: it is fenced after take_plan_timeout_s, and generation 2 replaces it."""
+def _after_node_2_killed():
+    """8 ranks on 4 nodes, 2 spare nodes, take-plan timeout 3 s; node 2 (lids 4, 5) has just
+    exited, so generation 1 is published. Returns (decider, store, commands, clock)."""
     store = dist.HashStore()
     procs = {r: Proc(lid=r, node=r // 2, role="active", rank=r) for r in range(8)}
     procs.update({lid: Proc(lid=lid, node=4 + (lid - 8) // 2, role="spare")
@@ -203,6 +202,14 @@ def test_a_member_that_never_takes_the_new_plan_is_fenced():
     _c(store).push_event("exit", lid=4, code=-9, node=2)
     _c(store).push_event("exit", lid=5, code=-9, node=2)
     d.step()
+    return d, store, cmds, clock
+
+
+def test_a_member_that_never_takes_the_new_plan_is_fenced():
+    """After a kill, every member of generation 1 takes its plan but lid 3, whose heartbeat
+    stays fresh (its watcher runs) while its main thread is blocked where the abort did not
+    reach: it is fenced after take_plan_timeout_s, and generation 2 replaces it."""
+    d, store, cmds, clock = _after_node_2_killed()
     assert _c(store).current_gen() == 1
     fenced_at = None
     for seq in range(1, 80):
@@ -224,23 +231,7 @@ def test_a_member_that_never_takes_the_new_plan_is_fenced():
 def test_a_member_still_starting_up_is_not_fenced_for_the_plan():
     """The take-plan fence judges only members that were training: one still in startup
     (STANDBY: imports, model build on a loaded machine) is left to the rendezvous timeout."""
-    store = dist.HashStore()
-    procs = {r: Proc(lid=r, node=r // 2, role="active", rank=r) for r in range(8)}
-    procs.update({lid: Proc(lid=lid, node=4 + (lid - 8) // 2, role="spare")
-                  for lid in range(8, 12)})
-    cmds, clock = [], Clock()
-    d = Decider(store=store, procs=procs, world_size=8, token="secret",
-                send_command=lambda node, cmd: cmds.append((node, cmd)),
-                config=DeciderConfig(heartbeat_timeout_s=1.0, heartbeat_interval_s=0.1,
-                                     grace_s=0.0, take_plan_timeout_s=3.0),
-                log=lambda m: None, clock=clock)
-    d.publish_initial_plan()
-    for lid in range(12):
-        _join(store, lid)
-    d.step()
-    _c(store).push_event("exit", lid=4, code=-9, node=2)
-    _c(store).push_event("exit", lid=5, code=-9, node=2)
-    d.step()
+    d, store, cmds, clock = _after_node_2_killed()
     for seq in range(1, 80):
         for lid in [0, 1, 2, 3, 6, 7, 8, 9, 10, 11]:
             state = "STANDBY" if lid == 3 else "RECOVERING"
