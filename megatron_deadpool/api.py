@@ -100,7 +100,8 @@ class Deadpool:
                         cfg.heartbeat_interval_s, cfg.rendezvous_timeout_s)
         world = World(self.backend, env.store_port, cfg.rendezvous_timeout_s,
                       cfg.collective_timeout_s, EventSink(cfg.events_path).emit,
-                      gloo_op_timeout_s=cfg.gloo_op_timeout_s)
+                      gloo_op_timeout_s=cfg.gloo_op_timeout_s,
+                      regroup_timeout_s=cfg.regroup_timeout_s)
         return Runtime(self, cfg, env, member, world,
                        Protected(cfg.replicas, (cfg.rendezvous_timeout_s, cfg.gloo_op_timeout_s),
                                  snapshot.job_id(secret), cfg.fallback_save_dir,

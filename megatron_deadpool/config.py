@@ -110,6 +110,15 @@ class DeadpoolConfig:
         time the decider gives a member to take its plan (half of it)."""
         return self.take_plan_timeout_s / 2
 
+    @property
+    def regroup_timeout_s(self) -> float:
+        """The bound on forming a recovery generation's communicators (``init_process_group``
+        and every ``new_group`` of the replayed ``initialize_model_parallel``). Members start
+        them together, right after the arrival barrier, so only a member that died since
+        keeps the others waiting; they must give up (and take the next plan) well before the
+        decider fences them for not taking it (half the take-plan timeout)."""
+        return self.take_plan_timeout_s / 2
+
     def decider(self) -> "DeciderConfig":
         """The decider's settings, derived (never repeated)."""
         return DeciderConfig(heartbeat_timeout_s=self.heartbeat_timeout_s,

@@ -39,10 +39,11 @@ KINDS = ("kill", "stop", "term", "segv", "raise")
 # The signal the node agent delivers for each kind; "raise" is a local error raised by the
 # rank itself (an exception in its step: the job must fail fast, no recovery).
 SIGNALS = {"kill": "SIGKILL", "stop": "SIGSTOP", "term": "SIGTERM", "segv": "SIGSEGV"}
-PHASES = ("forward_backward", "optimizer", "mirror", "rendezvous", "restore_state")
+PHASES = ("forward_backward", "optimizer", "mirror", "rendezvous", "rebuild_groups",
+          "restore_state")
 TARGETS = ("node", "rank")
 FORM = ("kill|stop|term|segv|raise:node=N|rank=N@iter=N[,phase=forward_backward|optimizer|"
-        "mirror|rendezvous|restore_state] or ...@t=SECONDS (unstaged, from outside)")
+        "mirror|rendezvous|rebuild_groups|restore_state] or ...@t=SECONDS (unstaged, from outside)")
 
 
 class InjectedLocalError(RuntimeError):
@@ -53,7 +54,7 @@ class Phase:
     """Fault points (strings: they travel in the schedule's JSON)."""
 
     FORWARD_BACKWARD, OPTIMIZER, MIRROR = "forward_backward", "optimizer", "mirror"
-    RENDEZVOUS, RESTORE_STATE = "rendezvous", "restore_state"
+    RENDEZVOUS, REBUILD_GROUPS, RESTORE_STATE = "rendezvous", "rebuild_groups", "restore_state"
 
 
 def _is_int(v) -> bool:

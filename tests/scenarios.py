@@ -52,6 +52,11 @@ SCENARIOS = [
     Scenario("cascade_in_rendezvous",
              ("kill:node=1@iter=6", "kill:rank=6@iter=6,phase=rendezvous"), spares=2,
              ci=True, what="a second kill while the first recovery's world forms"),
+    Scenario("cascade_in_rebuild_groups",
+             ("kill:node=1@iter=6", "kill:rank=6@iter=6,phase=rebuild_groups"), spares=2,
+             what="a second kill while the first recovery rebuilds the model-parallel groups "
+                  "(the others wait in group creation for a dead member: bounded, then the "
+                  "next plan)"),
     Scenario("cascade_in_restore",
              ("kill:node=1@iter=6", "kill:rank=6@iter=6,phase=restore_state"), spares=2,
              what="a second kill during the first recovery's restore"),
@@ -65,8 +70,11 @@ SCENARIOS = [
              recoveries=1, what="SIGKILL a rank inside the first optimizer step"),
     Scenario("kill_last_iteration", (f"kill:node=1@iter={ITERS}",), recoveries=1,
              what="SIGKILL a node in the last step"),
-    Scenario("spare_dies_in_standby", ("kill:node=4@t=1", "kill:node=1@iter=9"), spares=2,
-             recoveries=1, what="a standby spare node dies (unstaged), later a node kill"),
+    # 40 iterations: the standby kill (1 s after the first iteration) must land well before
+    # the node kill; at iteration 9 it once came 0.16 s after it and hit promoted spares.
+    Scenario("spare_dies_in_standby", ("kill:node=4@t=1", "kill:node=1@iter=30"), spares=2,
+             recoveries=1, iters=40,
+             what="a standby spare node dies (unstaged), later a node kill"),
     Scenario("spare_exhaustion", ("kill:node=1@iter=4", "kill:node=2@iter=8"), spares=1,
              expect=STOPPED, what="a second node dies when no spare is left"),
     # 40 iterations: the fastest layout (TP1.PP1.DP8) ran 12 in less than the 0.9 s wait.

@@ -38,3 +38,40 @@ def test_deadlines_follow_startup_then_training(tmp_path):
         assert _timeout_s(g) == 600.0
     finally:
         dist.destroy_process_group()
+
+
+def _form(tmp_path, gen: int) -> dict:
+    """Form a one-process world at generation ``gen`` and replay the model-parallel groups;
+    returns the timeouts (seconds) the world and a megatron group were created with."""
+    from megatron.core import parallel_state as ps
+
+    cfg = DeadpoolConfig(enabled=True)
+    w = World("gloo", 0, cfg.rendezvous_timeout_s, 600.0, lambda *a, **k: None,
+              gloo_op_timeout_s=cfg.gloo_op_timeout_s, regroup_timeout_s=cfg.regroup_timeout_s)
+    w.mp_kwargs = {"tensor_model_parallel_size": 1}   # no timeout given: megatron's 30 min
+    w.init_process_group(dist.FileStore(str(tmp_path / f"store{gen}"), 1), gen, 0, 1)
+    try:
+        w.build_groups()
+        return {"world": _timeout_s(dist.group.WORLD),
+                "dp_gloo": _timeout_s(ps.get_data_parallel_group_gloo()),
+                "tp": _timeout_s(ps.get_tensor_model_parallel_group())}
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_a_recovery_generation_forms_under_the_regroup_bound(tmp_path):
+    """A member that dies after the arrival barrier leaves the others in a store wait no
+    abort reaches: for a recovery's generation that wait must end (regroup timeout) before
+    the decider fences them for not taking the next plan (take-plan timeout). The job's
+    start keeps the rendezvous timeout; megatron's own default (30 min) is never used."""
+    cfg = DeadpoolConfig(enabled=True)
+    assert cfg.regroup_timeout_s < cfg.take_plan_timeout_s < cfg.rendezvous_timeout_s
+    assert set(_form(tmp_path, 0).values()) == {cfg.rendezvous_timeout_s}
+    assert set(_form(tmp_path, 1).values()) == {cfg.regroup_timeout_s}
+
+
+def test_regroup_stays_inside_the_fence_for_any_rendezvous_timeout():
+    for rdzv in (10.0, 40.0, 120.0, 600.0):
+        cfg = DeadpoolConfig(enabled=True, rendezvous_timeout_s=rdzv)
+        assert cfg.regroup_timeout_s <= cfg.take_plan_timeout_s / 2

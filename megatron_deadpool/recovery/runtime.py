@@ -9,10 +9,7 @@ mirror and the restore decision (``restore.py``).
                each a method taking and returning the Attempt; a failure inside one starts
                the next on a newer generation (MAX_ATTEMPTS, waits bounded by the rendezvous
                timeout). A member that does not take a newer plan dumps its stacks (stall.py).
-
-A failure is a membership fact, not an exception type: ``recover`` goes on only if this
-generation was aborted (a newer one exists) or, after a communication error, a newer one
-appears within the heartbeat timeout. A local error is re-raised at once, with its trace.
+A failure is a membership fact, not an exception type (``_membership_changed``).
 """
 
 from __future__ import annotations
@@ -259,15 +256,16 @@ class Runtime:
     def _rendezvous(self, a: Attempt) -> Attempt:
         a.timer.start(Phase.RENDEZVOUS)
         a.plan = self._wait_for_plan(a.cause)
-        if a.iteration_at_failure is not None:  # test hook: a peer dies while the world forms
+        if a.iteration_at_failure is not None:  # the victim must know its rank in the plan
             self.plan = adopt(a.plan, self.env.lid, self.h)
-            self.faults(a.iteration_at_failure + 1, FaultPhase.RENDEZVOUS)
+        self._fault_point(a, FaultPhase.RENDEZVOUS)
         self._form_world(a.plan, with_groups=False)
         a.plan = self.plan
         return a
 
     def _rebuild_groups(self, a: Attempt) -> Attempt:
         a.timer.start(Phase.REBUILD_GROUPS)
+        self._fault_point(a, FaultPhase.REBUILD_GROUPS)
         self.world.build_groups()
         self.world.set_collective_timeouts()  # before the mirror's group: it has its own
         self.att.rebind(self.h, self.plan)
@@ -278,11 +276,14 @@ class Runtime:
 
     def _restore_state(self, a: Attempt) -> Attempt:
         a.timer.start(Phase.RESTORE_STATE)
-        if a.iteration_at_failure is not None:
-            self.faults(a.iteration_at_failure + 1, FaultPhase.RESTORE_STATE)
+        self._fault_point(a, FaultPhase.RESTORE_STATE)
         a.restored = self.att.restore(self.h.rank)
         a.timer.stop()
         return a
+
+    def _fault_point(self, a: Attempt, phase: str) -> None:
+        if a.iteration_at_failure is not None:  # test hook: a survivor dies in ``phase``
+            self.faults(a.iteration_at_failure + 1, phase)
 
     def _begin_first_step(self, a: Attempt) -> None:
         report = {"generation": self.plan.gen, "rank": self.h.rank, "lid": self.env.lid,
@@ -309,9 +310,8 @@ class Runtime:
         self.member.report_fatal(self.h.rank, exc)
 
     def close(self, destroy: bool = True) -> None:
-        """Stop the threads and (``destroy``: an error exit, where a snapshot job may be
-        blocked on a dead peer, so abort it first) free every communicator before the process
-        exits: live groups or threads in native code end in std::terminate at exit."""
+        """Stop the threads and free every communicator (``destroy``: an error exit; abort a
+        snapshot job blocked on a dead peer first): live ones end in std::terminate at exit."""
         if self._closed:
             return
         self._closed = True

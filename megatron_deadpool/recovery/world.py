@@ -1,8 +1,13 @@
 """This process's communicators across generations: form a generation's world, replay the
 model-parallel groups, abort them when the generation moves on, destroy them.
 
-    form(plan) ──► arrive (abortable) ──► init_process_group (bounded by the rendezvous
-        timeout) ──► [build_groups] ──► set_collective_timeouts ... abort() ──► destroy()
+    form(plan) ──► arrive (abortable) ──► init_process_group ──► [build_groups]
+        ──► set_collective_timeouts ... abort() ──► destroy()
+
+Forming is bounded by the rendezvous timeout for generation 0 (the job's start) and by the
+shorter regroup timeout for a recovery's generation (config.regroup_timeout_s): a member that
+dies after the arrival barrier leaves the others blocked in a store wait that no abort can
+reach, and they must reach the next plan before the decider fences them.
 
 ``abort`` may run on the watcher thread while the main thread is blocked in a collective;
 the lock keeps it from racing with ``init_process_group`` publishing a new live generation.
@@ -56,11 +61,14 @@ def nccl_error_handling_env(environ) -> list:
 class World:
     def __init__(self, backend: str, store_port: int, rendezvous_timeout_s: float,
                  collective_timeout_s: float, emit: Callable[..., None],
-                 gloo_op_timeout_s: Optional[float] = None):
+                 gloo_op_timeout_s: Optional[float] = None,
+                 regroup_timeout_s: Optional[float] = None):
         self.backend, self.store_port = backend, store_port
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.collective_timeout_s = collective_timeout_s
         self.gloo_op_timeout_s = gloo_op_timeout_s  # config.gloo_op_timeout_s
+        self.regroup_timeout_s = regroup_timeout_s  # config.regroup_timeout_s
+        self._form_timeout_s = rendezvous_timeout_s  # of the generation being formed
         self._long = False  # groups at the collective timeout (set_collective_timeouts)
         self.emit = emit
         self.mp_kwargs: Optional[dict] = None  # initialize_model_parallel's, recorded
@@ -74,30 +82,35 @@ class World:
             return self._live_gen
 
     def init_process_group(self, store, gen: int, rank: int, world_size: int) -> None:
-        """Bounded by the rendezvous timeout while the world forms (a peer that dies now must
-        not hold everyone for the collective timeout); ``set_collective_timeouts`` raises it
-        once the groups exist."""
+        """Bounded by ``form_timeout_s(gen)`` while the world forms (a peer that dies now
+        must not hold everyone for the collective timeout); ``set_collective_timeouts``
+        raises it once the groups exist."""
         import torch.distributed as dist
 
         if self.backend == "nccl":
             for var, old in nccl_error_handling_env(os.environ):
                 log.warning("%s=%s would let a dead peer take this process down; using %s "
                             "(CleanUpOnly)", var, old, NCCL_ASYNC_ERROR_HANDLING)
+        self._form_timeout_s = self.form_timeout_s(gen)
         dist.init_process_group(backend=self.backend, store=dist.PrefixStore(f"gen{gen}/", store),
                                 rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=self.rendezvous_timeout_s))
+                                timeout=timedelta(seconds=self._form_timeout_s))
         with self._lock:
             self._live_gen = gen
             self.aborted = False
 
+    def form_timeout_s(self, gen: int) -> float:
+        if gen == 0 or not self.regroup_timeout_s:
+            return self.rendezvous_timeout_s
+        return min(self.rendezvous_timeout_s, self.regroup_timeout_s)
+
     def build_groups(self) -> None:
-        """Replay ``initialize_model_parallel`` with the recorded arguments; group creation
-        is bounded by the rendezvous timeout like the world's."""
+        """Replay ``initialize_model_parallel`` with the recorded arguments; each group's
+        creation is bounded like the world's (not by megatron's default of 30 minutes)."""
         from megatron.core import parallel_state as ps
 
         kwargs = dict(self.mp_kwargs or {})
-        if "distributed_timeout_minutes" in kwargs:
-            kwargs["distributed_timeout_minutes"] = self.rendezvous_timeout_s / 60
+        kwargs["distributed_timeout_minutes"] = self._form_timeout_s / 60
         ps.initialize_model_parallel(**kwargs)
 
     def set_collective_timeouts(self) -> None:
