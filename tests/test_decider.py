@@ -239,3 +239,28 @@ def test_a_member_still_starting_up_is_not_fenced_for_the_plan():
         clock.advance(0.1)
         d.step()
     assert cmds == [] and _c(store).current_gen() == 1
+
+
+def test_a_standby_spare_fault_does_not_time_the_next_failure():
+    """An injected fault that kills only idle spares publishes no plan; a node kill much
+    later must be timed from its own fault, not from the spare's (the matrix once reported
+    `detected in 25.4 s` for a 0.1 s detection)."""
+    d, store, _ = _decider(spares=4, hb_timeout=100.0)  # no heartbeat goes stale here
+    for lid in range(12):
+        _join(store, lid)
+    d.step()
+    d.note_fault(d.clock_.t)                       # the standby node 4 is killed
+    _c(store).push_event("exit", lid=8, code=-9, node=4)
+    _c(store).push_event("exit", lid=9, code=-9, node=4)
+    d.step()
+    assert _c(store).current_gen() == 0
+    d.clock_.advance(25.0)
+    d.note_fault(d.clock_.t)                       # node 1 is killed 25 s later
+    _c(store).push_event("exit", lid=2, code=-9, node=1)
+    _c(store).push_event("exit", lid=3, code=-9, node=1)
+    d.clock_.advance(0.1)
+    d.step()
+    d.step()
+    plan = _c(store).get_plan(1)
+    assert plan.spare_of_rank == {2: 10, 3: 11}
+    assert plan.detect_s < 1.0, plan.detect_s
