@@ -113,11 +113,10 @@ class DeadpoolConfig:
     @property
     def regroup_timeout_s(self) -> float:
         """The bound on forming a recovery generation's communicators (``init_process_group``
-        and every ``new_group`` of the replayed ``initialize_model_parallel``). Members start
-        them together, right after the arrival barrier, so only a member that died since
-        keeps the others waiting; they must give up (and take the next plan) well before the
-        decider fences them for not taking it (half the take-plan timeout)."""
-        return self.take_plan_timeout_s / 2
+        and every ``new_group`` of the replayed ``initialize_model_parallel``): a store wait
+        no abort reaches, so, like a gloo operation, it must end well inside the take-plan
+        fence. The same bound, derived in one place."""
+        return self.gloo_op_timeout_s
 
     def decider(self) -> "DeciderConfig":
         """The decider's settings, derived (never repeated)."""
