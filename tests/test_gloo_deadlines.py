@@ -63,12 +63,68 @@ def _form(tmp_path, gen: int) -> dict:
 def test_a_recovery_generation_forms_under_the_regroup_bound(tmp_path):
     """A member that dies after the arrival barrier leaves the others in a store wait no
     abort reaches: for a recovery's generation that wait must end (regroup timeout) before
-    the decider fences them for not taking the next plan (take-plan timeout). The job's
-    start keeps the rendezvous timeout; megatron's own default (30 min) is never used."""
+    the decider fences them for not taking the next plan (take-plan timeout). Megatron's own
+    default (30 min) is never used. A gloo world forms every generation, the job's start
+    included, under the gloo op deadline (its p2p waits keep the creation timeout)."""
     cfg = DeadpoolConfig(enabled=True)
     assert cfg.regroup_timeout_s < cfg.take_plan_timeout_s < cfg.rendezvous_timeout_s
-    assert set(_form(tmp_path, 0).values()) == {cfg.rendezvous_timeout_s}
+    assert set(_form(tmp_path, 0).values()) == {cfg.gloo_op_timeout_s}
     assert set(_form(tmp_path, 1).values()) == {cfg.regroup_timeout_s}
+
+
+def test_an_nccl_world_starts_under_the_rendezvous_timeout():
+    cfg = DeadpoolConfig(enabled=True)
+    w = World("nccl", 0, cfg.rendezvous_timeout_s, 600.0, lambda *a, **k: None,
+              gloo_op_timeout_s=cfg.gloo_op_timeout_s, regroup_timeout_s=cfg.regroup_timeout_s)
+    assert w.form_timeout_s(0) == cfg.rendezvous_timeout_s
+    assert w.form_timeout_s(1) == cfg.regroup_timeout_s
+
+
+def _p2p_worker(rank: int, path: str, out) -> None:
+    """Rank 0 waits for a send that rank 1 never makes, on a group of generation 0 built
+    through World after training started (every deadline lowered). Rank 1 stays alive
+    until rank 0 reports, so only a deadline can end rank 0's wait."""
+    from megatron.core import parallel_state as ps
+
+    store = dist.FileStore(path, 2)
+    w = World("gloo", 0, 60.0, 600.0, lambda *a, **k: None, gloo_op_timeout_s=1.0,
+              regroup_timeout_s=1.0)
+    w.mp_kwargs = {"pipeline_model_parallel_size": 2}
+    w.init_process_group(store, 0, rank, 2)
+    w.build_groups()
+    w.set_collective_timeouts()
+    w.bound_gloo_deadlines()
+    if rank == 0:
+        try:
+            dist.irecv(torch.zeros(4), 1, group=ps.get_pipeline_model_parallel_group()).wait()
+            out.put("completed")
+        except RuntimeError as exc:
+            out.put(str(exc))
+        store.set("reported", "1")
+    else:
+        store.wait(["reported"], timedelta(seconds=120))
+
+
+def test_a_pipeline_recv_ends_at_the_gloo_op_deadline(tmp_path):
+    """The pipeline's p2p waits (megatron p2p_communication: ``req.wait()``, no timeout)
+    must end at the gloo op deadline, not at the timeout the group was created with: a send
+    gloo never wakes after a peer's failure once held a survivor past the take-plan fence."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_p2p_worker, args=(r, str(tmp_path / "store"), out))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        msg = out.get(timeout=150)
+    finally:
+        for p in procs:
+            p.join(150)
+            if p.is_alive():
+                p.kill()
+    assert "Timed out waiting 1000ms for recv" in msg, msg
 
 
 def test_regroup_stays_inside_the_fence_for_any_rendezvous_timeout():

@@ -7,7 +7,9 @@ model-parallel groups, abort them when the generation moves on, destroy them.
 Forming is bounded by the rendezvous timeout for generation 0 (the job's start) and by the
 shorter regroup timeout for a recovery's generation (config.regroup_timeout_s): a member that
 dies after the arrival barrier leaves the others blocked in a store wait that no abort can
-reach, and they must reach the next plan before the decider fences them.
+reach, and they must reach the next plan before the decider fences them. On a gloo world
+every generation forms under the gloo op deadline, because gloo's point-to-point waits keep
+the creation timeout for good (``form_timeout_s``).
 
 ``abort`` may run on the watcher thread while the main thread is blocked in a collective;
 the lock keeps it from racing with ``init_process_group`` publishing a new live generation.
@@ -100,9 +102,18 @@ class World:
             self.aborted = False
 
     def form_timeout_s(self, gen: int) -> float:
-        if gen == 0 or not self.regroup_timeout_s:
-            return self.rendezvous_timeout_s
-        return min(self.rendezvous_timeout_s, self.regroup_timeout_s)
+        """The timeout generation ``gen``'s communicators are created with. On a gloo world
+        it is also the deadline of every point-to-point wait on them for their whole life
+        (the pipeline's send/recv): gloo's p2p ops read the transport context's timeout, set
+        at creation, which ``_set_pg_timeout`` does not change. So it never exceeds the gloo
+        op deadline there, or a send that gloo never wakes (config.gloo_op_timeout_s) holds
+        a survivor past the take-plan fence."""
+        bounds = [self.rendezvous_timeout_s]
+        if gen > 0 and self.regroup_timeout_s:
+            bounds.append(self.regroup_timeout_s)
+        if self.backend == "gloo" and self.gloo_op_timeout_s:
+            bounds.append(self.gloo_op_timeout_s)
+        return min(bounds)
 
     def build_groups(self) -> None:
         """Replay ``initialize_model_parallel`` with the recorded arguments; each group's
