@@ -195,8 +195,10 @@ class Decider:
     def _declare_dead(self, p: Proc, why: str, t: float) -> None:
         p.state = ProcState.DEAD
         self.log(f"process {p.lid} (rank {p.rank}, node {p.node}) failed: {why}")
-        if p.rank is None:  # an idle spare: just leaves the pool; no plan follows, so a
-            if not self.pending_dead:  # fault noted for it must not time the next failure
+        if p.rank is None:
+            # An idle spare just leaves the pool. No plan follows, so a fault noted for it
+            # must not time the next failure's detection.
+            if not self.pending_dead:
                 self._fault_time = None
             return
         self.pending_dead.add(p.lid)
