@@ -45,6 +45,11 @@ class WorkerEnv:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
 
+    def mirror_on(self, iteration: int) -> bool:
+        """Whether step ``iteration`` (1-based) is snapshotted (``bench_block``)."""
+        b = self.bench_block
+        return not b or ((iteration - 1) // b) % 2 == 0
+
     def to_env(self) -> dict:
         out = {}
         for name, var in _NAMES.items():

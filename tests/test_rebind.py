@@ -94,3 +94,35 @@ def test_heap_audit_names_a_hidden_holder(world):
     del hidden
     gc.collect()
     assert rebind.heap_audit(old) == []
+
+
+def test_release_unsets_every_slot_and_the_groups_die_on_the_reaper_thread(world):
+    """The old groups' last references leave the main thread: destroying a gloo group waits
+    for its event loop's ticks (reaper.py), which must not hold up rebuild_groups."""
+    import threading
+
+    from megatron_deadpool.recovery.reaper import Reaper
+
+    ps = world
+    h = Holder(ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group())
+    slots = rebind.GroupSlots([h])
+    died_on = []
+    groups = {id(h.tp_group): h.tp_group, id(h.groups["dp"]): h.groups["dp"]}
+    refs = [__import__("weakref").ref(g, lambda _: died_on.append(threading.current_thread().name))
+            for g in groups.values()]
+    del groups
+    _rebuild(ps)  # megatron's globals and torch's registry let go of the old groups
+    held = slots.release()
+    assert len(held) == len({id(g) for g in held}) == len(refs)  # distinct
+    assert h.tp_group is None and h.groups["dp"] is None and h.tup == (None, (None, 3))
+    assert isinstance(h.pair, Pair) and h.pair == (None, None) and h.slotted.grp is None
+    slots.audit()  # an unset slot is not an old group
+    gc.collect()
+    assert died_on == []  # ``held`` is their last holder
+    reaper = Reaper()
+    reaper.drop(held)
+    del held
+    assert reaper.wait(30)
+    assert died_on == ["deadpool-reaper"] * len(refs)
+    assert slots.rebind() == 8
+    assert h.tp_group is ps.get_tensor_model_parallel_group()

@@ -120,6 +120,15 @@ class FakeProtected:
     def quiesce(self, timeout_s):
         pass
 
+    def release_groups(self):
+        self.released = getattr(self, "released", 0) + 1
+
+    def connect(self, plan):
+        pass
+
+    def settle_groups(self):
+        pass
+
     def rebind(self, handle, plan):
         pass
 
@@ -192,7 +201,7 @@ def test_aborted_generation_recovers_on_the_next_one():
     world.aborted = True  # the watcher saw generation 1 and aborted the communicators
     rt.recover(RuntimeError("anything the blocked collective raised"))
     assert rt.plan.gen == 1 and world.formed == [0, 1] and rt.att.restores == 1
-    assert rt.state == WorkerState.ACTIVE
+    assert rt.state == WorkerState.ACTIVE and rt.att.released == 1  # after the abort
     rt.after_step(6)
     assert rt.recoveries[0]["restored_iter"] == 5
     assert rt.recoveries[0]["iteration_at_failure"] == 6

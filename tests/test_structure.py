@@ -19,7 +19,7 @@ LAYERS = [
                     "mirror.mirror", "mirror.persist", "megatron.support", "megatron.shard",
                     "megatron.train_state", "megatron.cpu_mode", "megatron.lm_rules",
                     "recovery.phases", "recovery.classify", "recovery.abort", "recovery.quiet",
-                    "recovery.rebind", "recovery.restore", "recovery.stall",
+                    "recovery.reaper", "recovery.rebind", "recovery.restore", "recovery.stall",
                     "recovery.world"]),
     ("control", ["membership.decider", "membership.member", "recovery.formation",
                  "recovery.protected", "recovery.runtime"]),

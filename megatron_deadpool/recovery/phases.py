@@ -1,5 +1,14 @@
 """One enum of recovery phases, a timer that yields a per-phase breakdown, and the
-JSON-lines event sink (``--deadpool-events``)."""
+JSON-lines event sink (``--deadpool-events``).
+
+Each rank's phases tile its recovery, from its abort to the end of its first step; ``detect``
+is the decider's (the failure until the plan). A promoted spare has no abort:
+
+    survivor:  abort ─► rendezvous ─► rebuild_groups ─► restore_state ─► first_step
+    spare:   promoted ─► rendezvous ─► rebuild_groups ─► restore_state ─► first_step
+               (its world forms)  (megatron's groups   (its model and optimizer are
+                                   and the mirror's)    built, then the lost shard loaded)
+"""
 
 from __future__ import annotations
 
@@ -54,8 +63,11 @@ class PhaseTimer:
         self._cur: Optional[Phase] = None
         self._t0 = 0.0
 
-    def start(self, phase: Phase) -> None:
+    def start(self, phase: Phase, generation: Optional[int] = None) -> None:
+        if self._cur is phase:
+            return  # already running (a spare's restore starts before its attach)
         self.stop()
+        self.generation = self.generation if generation is None else generation
         self._cur, self._t0 = phase, time.perf_counter()
 
     def stop(self) -> None:
@@ -66,8 +78,3 @@ class PhaseTimer:
         self.sink.emit("phase", phase=self._cur.value, duration_s=round(dt, 6),
                        generation=self.generation, rank=self.rank)
         self._cur = None
-
-    def record(self, phase: Phase, duration_s: float) -> None:
-        self.durations[phase.value] = duration_s
-        self.sink.emit("phase", phase=phase.value, duration_s=round(duration_s, 6),
-                       generation=self.generation, rank=self.rank)

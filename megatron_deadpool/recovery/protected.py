@@ -23,9 +23,11 @@ from ..mirror.threads import lower_thread_priority, native_thread_ids
 from ..mirror.transport import GlooTransport
 from . import restore
 from .quiet import CollectiveSuppressor
+from .reaper import Reaper
 from .rebind import GroupSlots
 
 log = logging.getLogger(__name__)
+REAPER_WAIT_S = 30.0  # for the old groups to die (the heap audit, the exit)
 
 
 class Protected:
@@ -38,6 +40,7 @@ class Protected:
         self.model = self.optimizer = self.scheduler = self.train_state = None
         self.mirror: Optional[Mirror] = None
         self.slots: Optional[GroupSlots] = None
+        self.reaper, self._transport, self._old_transport = Reaper(), None, None
         self.iteration = 0
         self.restored_meta: Optional[dict] = None
         self.bench_modes = []
@@ -91,19 +94,25 @@ class Protected:
             periodic = lambda it: persist.periodic(  # noqa: E731
                 self.mirror, self.fallback_dir, self.fallback_every, world, it)
         self.mirror.on_committed = lambda it: self._committed(it, periodic)
-        self._connect_mirror(plan)
+        if self._transport is None:  # initialize_model_parallel did not run through us
+            self.connect(plan)
+        self.mirror.set_topology(self._transport, plan.node_of_rank)
         self._initial_commit_pending = True
 
-    def _connect_mirror(self, plan) -> None:
+    def connect(self, plan) -> None:
+        """Create the mirror's group: a world-wide collective, made right after the
+        model-parallel groups, so that every group exists before any rank builds (a promoted
+        spare) or restores its state."""
         names = cpu.GLOO_THREAD_NAMES
         before = set().union(*(native_thread_ids(n) for n in names))
         create_s, op_s = self.mirror_timeouts_s
-        transport = GlooTransport(timeout_s=op_s, create_timeout_s=create_s)
+        self._transport = GlooTransport(timeout_s=op_s, create_timeout_s=create_s)
         # the mirror group's I/O thread and workers (training groups' threads existed before)
         self._gloo_tids = set().union(*(native_thread_ids(n) for n in names)) - before
         for tid in self._gloo_tids:
             lower_thread_priority(tid)
-        self.mirror.set_topology(transport, plan.node_of_rank)
+        if self.mirror is not None:
+            self.mirror.set_topology(self._transport, plan.node_of_rank)
 
     def _wrap_optimizer_step(self, optimizer, fault_points) -> None:
         orig = optimizer.step
@@ -184,13 +193,26 @@ class Protected:
     def quiesce(self, timeout_s: float) -> None:
         if not self.mirror.quiesce(timeout_s):
             raise DeadpoolError("the mirror thread did not stop after the abort")
+        self._old_transport, self._transport = self._transport, None
         self.mirror.transport = None
+
+    def release_groups(self) -> None:
+        """Once the world is destroyed: the old groups that the model, the optimizer and the
+        mirror still hold die on the reaper thread, not in the next ``rebind`` (reaper.py)."""
+        old = self.slots.release() if self.slots is not None else []
+        old.append(self._old_transport)
+        self._old_transport = None
+        self.reaper.drop(old)
+
+    def settle_groups(self) -> None:
+        if not self.reaper.wait(REAPER_WAIT_S):
+            raise DeadpoolError(f"old process groups not destroyed in {REAPER_WAIT_S:g}s")
 
     def rebind(self, handle, plan) -> None:
         """Point every holder of a group at the new generation's, and the mirror at its new
         group and placement."""
         self.slots.rebind()
-        self._connect_mirror(plan)
+        self.connect(plan)
         self._cpu_start = None  # new gloo threads: the CPU window does not span a recovery
 
     def restore(self, rank: int) -> int:
@@ -254,7 +276,8 @@ class Protected:
     def close(self, abort=None) -> None:
         """Stop the mirror thread. ``abort()`` first when a snapshot job is still running: it
         may be blocked on a dead peer, and a thread left in native code when the process
-        exits ends it in std::terminate."""
+        exits ends it in std::terminate. Released groups die first (reaper.py)."""
+        self.reaper.wait(REAPER_WAIT_S)
         if self.mirror is None:
             return
         if abort and not self.mirror.quiesce(0):

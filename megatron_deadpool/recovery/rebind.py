@@ -177,6 +177,19 @@ class GroupSlots:
             _set_path(self.roots[slot.root_index], slot.path, group_for_role(slot.role))
         return len(self.slots)
 
+    def release(self) -> list:
+        """Unset every slot (None) and return the distinct groups they held: the caller
+        decides where their last references die (reaper.py)."""
+        held, seen = [], set()
+        for slot in self.slots:
+            root = self.roots[slot.root_index]
+            group = _get_path(root, slot.path)
+            if group is not None and id(group) not in seen:
+                seen.add(id(group))
+                held.append(group)
+            _set_path(root, slot.path, None)
+        return held
+
     def audit(self) -> None:
         """Fail if any reachable group is not one of the current generation's groups."""
         roles = current_roles()
@@ -192,6 +205,12 @@ def _get_step(obj, step: Step):
     if kind == "attr":
         return getattr(obj, key)
     return obj[key]
+
+
+def _get_path(root, path: Tuple[Step, ...]):
+    for step in path:
+        root = _get_step(root, step)
+    return root
 
 
 def _set_path(root, path: Tuple[Step, ...], value) -> None:
@@ -241,16 +260,17 @@ def heap_audit(old_groups: Sequence["weakref.ref"]) -> List[str]:
     return leaks
 
 
-def audit_rebind(mode: str, slots: "GroupSlots", old_groups: Sequence["weakref.ref"]
-                 ) -> Optional[dict]:
+def audit_rebind(mode: str, slots: "GroupSlots", old_groups: Sequence["weakref.ref"],
+                 settle=lambda: None) -> Optional[dict]:
     """After a rebuild (``--deadpool-audit``): 'walk' re-walks the slots, 'full' also scans
-    the heap for a survivor of ``old_groups``. Raises RebindAuditError on a leak; returns
-    the audit event's fields for 'full', else None."""
+    the heap for a survivor of ``old_groups`` once ``settle()`` has let the released ones
+    die. Raises RebindAuditError on a leak; returns the audit event's fields for 'full'."""
     if mode == "none":
         return None
     slots.audit()
     if mode != "full":
         return None
+    settle()
     leaks = heap_audit(old_groups)
     if leaks:
         raise RebindAuditError(f"{len(leaks)} old process group(s) still alive after the "

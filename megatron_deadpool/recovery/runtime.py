@@ -65,7 +65,7 @@ class Runtime:
         self.promoted = False
         self.recoveries: List[dict] = []
         self._first_step: Optional[tuple] = None
-        self._promote_t0 = 0.0
+        self._spare_timer: Optional[PhaseTimer] = None  # a promoted spare's own phases
         self._closed = False
         self.stall = StallWatch(config.take_plan_timeout_s * 0.75)  # before the decider fences
 
@@ -74,6 +74,8 @@ class Runtime:
         self.member.admit(self._status, self._on_generation, self._on_stop)
         plan = self._standby() if self.env.role == "spare" else self.member.initial_plan()
         self._form_world(plan, with_groups=False)
+        if self.promoted:  # a spare's world formed (maybe on a newer generation than its plan)
+            self._spare_timer.start(Phase.REBUILD_GROUPS, generation=self.plan.gen)
 
     def _standby(self) -> Plan:
         log.info("standby spare on node %s: waiting for an assignment", self.env.node)
@@ -83,7 +85,9 @@ class Runtime:
             log.info("spare released: %s", exc)
             self.close(destroy=False)
             raise SystemExit(0) from None
-        self.promoted, self._promote_t0 = True, time.perf_counter()
+        self.promoted = True
+        self._spare_timer = PhaseTimer(self.sink, plan.gen, plan.rank(self.env.lid))
+        self._spare_timer.start(Phase.RENDEZVOUS)  # until its world forms (join)
         self.sink.emit("promoted", lid=self.env.lid, rank=plan.rank(self.env.lid),
                        generation=plan.gen)
         return plan
@@ -111,8 +115,7 @@ class Runtime:
                                self.config.rendezvous_timeout_s, with_groups)
 
     def _wait_for_plan(self, cause: BaseException) -> Plan:
-        return self.member.wait_for_plan(self.plan.gen + 1, self.config.rendezvous_timeout_s,
-                                         cause)
+        return self.member.wait_for_plan(self.plan.gen + 1, self.config.rendezvous_timeout_s, cause)
 
     def initialize_model_parallel(self, kwargs: dict) -> None:
         """First build of the model-parallel groups (recorded, replayed on every rebuild)."""
@@ -125,7 +128,9 @@ class Runtime:
             self.world.destroy()
             self._form_world(self._wait_for_plan(exc), with_groups=True)
         self.world.set_collective_timeouts()
+        self.att.connect(self.plan)  # the mirror's group, with the others
         if self.promoted:
+            self._spare_timer.start(Phase.RESTORE_STATE)  # its model build and restore
             self.att.quiet_startup()
 
     # ================================================================ attach and loop
@@ -139,10 +144,8 @@ class Runtime:
             return
         if not self.promoted:
             return
-        timer = PhaseTimer(self.sink, self.plan.gen, self.h.rank)
-        timer.record(Phase.REBUILD_GROUPS, time.perf_counter() - self._promote_t0)
         attempt = Attempt(cause=DeadpoolError("promoted"), iteration_at_failure=None,
-                          timer=timer, plan=self.plan)
+                          timer=self._spare_timer, plan=self.plan)
         try:
             self._begin_first_step(self._restore_state(attempt))
         except Exception as exc:  # noqa: BLE001 - a peer failed while this spare restored
@@ -156,18 +159,13 @@ class Runtime:
         self.faults(iteration + 1, FaultPhase.FORWARD_BACKWARD)
 
     def after_step(self, iteration: int) -> None:
-        self.att.after_step(iteration, mirror_on=self._mirror_on(iteration))
+        self.att.after_step(iteration, mirror_on=self.env.mirror_on(iteration))
         if self._first_step is not None:
-            timer, t0, report = self._first_step
-            self._first_step = None
-            timer.record(Phase.FIRST_STEP, time.perf_counter() - t0)
+            (timer, report), self._first_step = self._first_step, None
+            timer.stop()  # the first step
             report.update(phases_s=timer.durations, t_done=time.time())  # wall clock
             self.member.report_recovery(self.plan.gen, self.h.rank, report)
             self.recoveries.append(report)
-
-    def _mirror_on(self, iteration: int) -> bool:
-        block = self.env.bench_block
-        return not block or ((iteration - 1) // block) % 2 == 0
 
     # ================================================================ recovery
     def recover(self, exc: BaseException) -> None:
@@ -187,8 +185,7 @@ class Runtime:
             raise
 
     def _save_fallback(self) -> None:
-        """Memory cannot carry the job on: with ``--deadpool-fallback-save``, write what this
-        process holds (its own and its buddies' copies) before it stops."""
+        """With ``--deadpool-fallback-save``: write the copies this process holds, then stop."""
         if not self.config.fallback_save_dir:
             return
         self.world.abort("the job stops: fallback save", self.h.rank)
@@ -251,6 +248,7 @@ class Runtime:
         if self.config.audit == "full":
             a.old_groups = weak_groups(all_process_groups())
         self.world.destroy()
+        self.att.release_groups()  # the old groups die on the reaper thread (reaper.py)
         return a
 
     def _rendezvous(self, a: Attempt) -> Attempt:
@@ -269,7 +267,8 @@ class Runtime:
         self.world.build_groups()
         self.world.set_collective_timeouts()  # before the mirror's group: it has its own
         self.att.rebind(self.h, self.plan)
-        audit = audit_rebind(self.config.audit, self.att.slots, a.old_groups)
+        audit = audit_rebind(self.config.audit, self.att.slots, a.old_groups,
+                             self.att.settle_groups)
         if audit:
             self.sink.emit("audit", generation=self.plan.gen, rank=self.h.rank, **audit)
         return a
@@ -292,7 +291,8 @@ class Runtime:
                   "failed_ranks": list(self.plan.failed_ranks)}
         log.info("generation %s: restored iteration %s", self.plan.gen, a.restored)
         self.sink.emit("restored", generation=self.plan.gen, rank=self.h.rank, iteration=a.restored)
-        self._first_step = (a.timer, time.perf_counter(), report)
+        a.timer.start(Phase.FIRST_STEP)
+        self._first_step = (a.timer, report)
 
     # ================================================================ end
     def finish(self) -> dict:
