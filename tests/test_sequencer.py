@@ -276,3 +276,44 @@ def test_a_failed_join_closes_the_runtime(monkeypatch):
     with pytest.raises(TimeoutError):
         api.Deadpool.start(cfg, env=env)
     assert getattr(member, "closed", False)
+
+
+def test_a_promoted_spares_phases_tile_its_recovery(tmp_path):
+    """A spare has no abort: rendezvous until its world forms, rebuild_groups until its
+    groups (megatron's and the mirror's) exist, restore_state over its model build and the
+    restore, then its first step, each closed by the next (recovery/phases.py)."""
+    import json
+
+    class SpareProtected(FakeProtected):
+        def quiet_startup(self):
+            self.calls.append("quiet")
+
+        def connect(self, plan):
+            self.calls.append("connect")
+
+        def attach(self, *args, **kwargs):
+            self.calls.append("attach")
+
+    member = FakeMember()
+    member.publish(plan(1, lid=8, rank=0))
+    events = tmp_path / "events.jsonl"
+    cfg = DeadpoolConfig(enabled=True, heartbeat_interval_s=0.1, heartbeat_timeout_s=HB_TIMEOUT,
+                         audit="none", events_path=str(events))
+    att = SpareProtected()
+    att.calls = []
+    rt = Runtime(Handle(), cfg, WorkerEnv(lid=8, node=4, role="spare", store_port=1), member,
+                 FakeWorld(), att)
+    rt.join()
+    rt.initialize_model_parallel({})
+    time.sleep(0.05)  # the model build, inside restore_state
+    rt.attach(model=None, optimizer=None, scheduler=None, train_state=None)
+    rt.after_step(6)
+    assert att.calls == ["connect", "quiet", "attach"] and att.restores == 1
+    report = rt.recoveries[0]
+    assert report["spare"] and report["generation"] == 1
+    phases = [json.loads(line) for line in events.read_text().splitlines()]
+    phases = [(e["phase"], e["duration_s"]) for e in phases if e["event"] == "phase"]
+    assert [p for p, _ in phases] == ["rendezvous", "rebuild_groups", "restore_state",
+                                      "first_step"]
+    assert dict(phases)["restore_state"] >= 0.05
+    assert report["phases_s"] == pytest.approx(dict(phases), abs=1e-5)
