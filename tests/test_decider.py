@@ -116,6 +116,24 @@ def test_no_spare_left_stops_with_committed_iteration():
     assert d.finished and _c(store).current_gen() == 0
 
 
+def test_no_spare_left_names_the_committed_iteration_when_no_rank_is_alive():
+    """Every ranked process dead (survivors fenced after the nodes died): the message still
+    names the newest iteration they reported committed, not -1."""
+    d, store, _ = _decider(spares=0)
+    for lid in range(8):
+        _join(store, lid)
+        _beat(store, lid, 1, iteration=7)
+    d.step()
+    d.clock_.advance(0.06)
+    d.step()
+    for lid in range(8):
+        _c(store).push_event("exit", lid=lid, code=-9, node=lid // 2)
+    d.step()
+    d.step()
+    reason = _c(store).shutdown_reason()
+    assert "no spare left" in reason and reason.endswith("last committed iteration 6"), reason
+
+
 def test_failure_waits_for_a_starting_spare_then_plans():
     d, store, _ = _decider(spares=2)
     for lid in range(8):  # the spares (8, 9) have not joined yet: still starting

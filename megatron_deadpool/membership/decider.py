@@ -293,8 +293,10 @@ class Decider:
                          f"for {'a starting' if starting else 'a joining'} spare "
                          "(deadpool launch --join-as-spare adds a spare node)")
             return  # stays pending; planned again on the next step
-        committed = max((p.hb_committed for p in self.procs.values()
-                         if p.rank is not None and p.state == ProcState.ALIVE), default=-1)
+        # a commit is collective: any ranked process's last report names a committed
+        # iteration, the dead ones' too (every survivor may have been fenced by now)
+        committed = max((p.hb_committed for p in self.procs.values() if p.rank is not None),
+                        default=-1)
         self.stop(f"{StopReason.NO_SPARE.value}: {exc}; last committed iteration {committed}")
 
     def _on_spare_agent(self, ev: dict) -> None:
