@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import Callable, Optional
 
 from . import abort as ab
+from .shared_groups import shared_gloo_groups
 
 log = logging.getLogger(__name__)
 
@@ -117,12 +118,15 @@ class World:
 
     def build_groups(self) -> None:
         """Replay ``initialize_model_parallel`` with the recorded arguments; each group's
-        creation is bounded like the world's (not by megatron's default of 30 minutes)."""
+        creation is bounded like the world's (not by megatron's default of 30 minutes), and
+        roles with the same members share one gloo group (shared_groups.py)."""
         from megatron.core import parallel_state as ps
 
         kwargs = dict(self.mp_kwargs or {})
         kwargs["distributed_timeout_minutes"] = self._form_timeout_s / 60
-        ps.initialize_model_parallel(**kwargs)
+        with shared_gloo_groups(self.backend) as shared:
+            ps.initialize_model_parallel(**kwargs)
+        log.debug("model-parallel groups built; %d gloo group(s) shared", shared[0])
 
     def set_collective_timeouts(self) -> None:
         """Raise every group's timeout from the rendezvous bound to the collective timeout
