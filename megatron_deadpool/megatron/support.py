@@ -3,7 +3,7 @@ runtime (their communicators are baked into objects DeadPool cannot reach or reb
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from ..errors import UnsupportedConfigError
 
@@ -44,6 +44,30 @@ def unsupported_optimizer(optimizer) -> List[str]:
                          "its main params and moments are returned as copies, so a restore "
                          "could not write them back")
     return sorted(set(found))
+
+
+def step_barrier(optimizer) -> Optional[str]:
+    """None if ``optimizer.step`` returns on a rank only once every rank has entered it: each
+    distributed optimizer clips gradients (``clip_grad > 0``) by a norm all-reduced over a
+    group of the world's size (megatron-core 0.16.1: ``grad_stats_parallel_group``, the whole
+    world for the distributed optimizer). Otherwise the reason it does not (the mirror then
+    commits with its own collective, mirror/commit.py)."""
+    import torch.distributed as dist
+
+    from .shard import distributed_optimizers
+
+    if not dist.is_initialized():
+        return "no process group"
+    world = dist.get_world_size()
+    for opt in distributed_optimizers(optimizer):
+        clip = getattr(getattr(opt, "config", None), "clip_grad", 0.0) or 0.0
+        if clip <= 0:
+            return "gradient clipping is off (--clip-grad 0)"
+        group = opt.get_grad_stats_parallel_group()
+        size = dist.get_world_size(group)
+        if size != world:
+            return f"the gradient norm is reduced over {size} of {world} ranks"
+    return None
 
 
 def check_supported(model_chunks: Sequence, optimizer=None) -> None:

@@ -58,8 +58,8 @@ def plan(layout, tensors: Sequence[torch.Tensor]) -> List[Run]:
         storage = t.untyped_storage()
         start = t.data_ptr() - storage.data_ptr()
         if (cur is not None and cur[0].data_ptr() == storage.data_ptr()
-                and cur[1] + cur[3] == start and cur[2] + cur[3] == e.offset):
-            cur[3] += e.nbytes
+                and 0 <= start - (cur[1] + cur[3]) == e.offset - (cur[2] + cur[3])):
+            cur[3] = e.offset + e.nbytes - cur[2]  # the same gap (or none) on both sides
             continue
         _flush(runs, cur)
         cur = [storage, start, e.offset, e.nbytes, t.device]

@@ -7,6 +7,7 @@ Steady state, per iteration k (the only sync point is right before step k+1)::
     mirror:                                                 copy k -> seal -> send to buddies
                                                             -> verify received -> all_ok
                                                             -> committed = k
+    (implicit commit, commit.py: no all_ok; k commits when job k+1 begins)
 
 Slot parity is ``iteration % 2``: the copy of k-1 (committed) stays intact while k is in
 flight, and job k must commit before step k+1 may overwrite the state it reads.
@@ -22,17 +23,20 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import MirrorCorruptError, MirrorError
-from . import d2h, placement, snapshot
+from . import d2h, flat, placement, snapshot
+from .commit import CommitTracker
+from .held import HeldCopies
 from .threads import lower_thread_priority
 from .transport import MirrorTransport
 
 TensorsFn = Callable[[], Sequence[Tuple[str, torch.Tensor]]]
 
 
-class Mirror:
+class Mirror(HeldCopies):
     def __init__(self, rank: int, replicas: int, meta_capacity: int = 1 << 16,
-                 use_cuda: bool = False):
+                 use_cuda: bool = False, flat_state: bool = True):
         self.rank = rank
+        self.flat = flat_state  # re-home the sources into flat buffers (flat.py)
         self.replicas = replicas
         self.meta_capacity = meta_capacity
         self.use_cuda = use_cuda
@@ -44,14 +48,14 @@ class Mirror:
         self._tensors: Optional[List[torch.Tensor]] = None
         self._stale = False
         self.relayouts = 0
-        self.failed_commits = 0
+        self.commits = CommitTracker()
         self.on_commit_failed: Optional[Callable[[int], None]] = None
         self.layout: Optional[snapshot.Layout] = None
         self.own: List[torch.Tensor] = []
         self.own_iter = [-1, -1]
         self.recv: Dict[int, List[torch.Tensor]] = {}
         self.recv_iter: Dict[int, List[int]] = {}
-        self.committed = -1
+        self.last_done: Optional[Tuple[int, float]] = None  # (iteration, perf_counter)
         self.waits = 0
         self.wait_s = 0.0
         self.jobs = 0
@@ -92,6 +96,8 @@ class Mirror:
         if self.layout is None or self._stale:
             named = list(self._tensors_fn())
             self._tensors = [t for _, t in named]
+            if self.flat:
+                flat.consolidate(self._tensors)
             self._runs = None
             self._stale = False
             layout = snapshot.Layout(named, self.meta_capacity)
@@ -109,6 +115,14 @@ class Mirror:
         """The live tensors may have changed (the optimizer state was created or reset):
         fetch them again before the next copy in or out."""
         self._stale = True
+
+    @property
+    def committed(self) -> int:
+        return self.commits.committed
+
+    @property
+    def failed_commits(self) -> int:
+        return self.commits.failed
 
     def _slots(self) -> List[torch.Tensor]:
         return list(self.own) + [b for bufs in self.recv.values() for b in bufs]
@@ -197,6 +211,12 @@ class Mirror:
         return box.get("result")
 
     def _snapshot_job(self, iteration: int, meta: dict, event) -> None:
+        if self.commits.implicit:  # step ``iteration`` has returned: see commit.py
+            done = self.commits.settle(iteration)
+            if done is not None:
+                self._drop_superseded()
+                if self.on_committed is not None:
+                    self.on_committed(done)
         idx = iteration % 2
         slot = self.own[idx]
         self.copier.copy(slot, self._runs, event)
@@ -204,6 +224,7 @@ class Mirror:
         self.own_iter[idx] = iteration
         self._maybe_fault(iteration)
         self._exchange_and_commit(iteration)
+        self.last_done = (iteration, time.perf_counter())
         if self.on_committed is not None and self.committed == iteration:
             self.on_committed(iteration)  # e.g. a periodic fallback save (persist.py)
 
@@ -228,12 +249,14 @@ class Mirror:
         # Copies of owners this rank no longer holds (the placement changed) stay valid, and
         # restorable, until a newer iteration commits (see _exchange_and_commit).
 
-    def _exchange_and_commit(self, iteration: int, skip=frozenset()) -> None:
-        """Send this rank's slot to its buddies, receive its owners' slots, verify, commit.
-        ``skip``: (owner, holder) pairs whose copy of ``iteration`` is already in place.
-        Without replicas the local copy alone commits (no transport call)."""
+    def _exchange_and_commit(self, iteration: int, skip=frozenset(),
+                             collective: bool = False) -> None:
+        """Send this rank's slot to its buddies, receive its owners' slots, verify, commit
+        (implicitly later unless ``collective``: commit.py). ``skip``: (owner, holder) pairs
+        whose copy of ``iteration`` is already in place. Without replicas the local copy
+        alone commits (no transport call)."""
         if self.replicas == 0:
-            self.committed = iteration
+            self.commits.reset(iteration)
             return
         idx = iteration % 2
         self._alloc_recv()
@@ -251,68 +274,17 @@ class Mirror:
                 self.recv_iter[o][idx] = iteration
             except MirrorCorruptError:
                 ok = False
-        if self.transport.all_ok(ok):
-            self.committed = iteration
-            for o in [o for o in self.recv if o not in self.holds]:
-                del self.recv[o], self.recv_iter[o]  # superseded by the new placement
-        else:
-            self.failed_commits += 1
-            if self.on_commit_failed is not None:
-                self.on_commit_failed(iteration)
+        if self.commits.implicit and not collective:
+            self.commits.verified(iteration, ok)
+        elif self.commits.collective(iteration, self.transport.all_ok(ok)):
+            self._drop_superseded()
+            return
+        if not ok and self.on_commit_failed is not None:
+            self.on_commit_failed(iteration)
 
-    # ------------------------------------------------------------------ recovery
-    def has_local(self, iteration: int) -> bool:
-        return iteration >= 0 and self.own_iter[iteration % 2] == iteration
-
-    def holds_copy(self, owner: int, iteration: int) -> bool:
-        its = self.recv_iter.get(owner)
-        return its is not None and iteration >= 0 and its[iteration % 2] == iteration
-
-    def restore_local(self, iteration: int) -> dict:
-        """Verify the local copy of ``iteration`` and load it into the live tensors."""
-        slot = self.own[iteration % 2]
-        self.refresh_sources()
-        layout = self.ensure_layout()
-        meta = snapshot.verify(slot, self.rank, iteration, layout, self.job)
-        snapshot.copy_tensors_out(slot, layout, self._tensors)
-        self.refresh_sources()
-        return meta
-
-    def inventory(self) -> dict:
-        """What this rank holds, for the restore decision (recovery/restore.py)."""
-        return {"own": sorted(i for i in self.own_iter if i >= 0), "committed": self.committed,
-                "copies": {str(o): sorted(i for i in its if i >= 0)
-                           for o, its in self.recv_iter.items() if any(i >= 0 for i in its)}}
-
-    def transfer_for_restore(self, iteration: int, serve: Sequence[int], receive_from: Optional[int]
-                             ) -> None:
-        """Holders send their copy of ``iteration`` of each owner in ``serve`` (to the rank of
-        the same id); a rank without its own copy receives it from ``receive_from`` into its
-        own slot."""
-        idx = iteration % 2
-        sends = [(o, self.recv[o][idx]) for o in serve]
-        recvs = []
-        if receive_from is not None:
-            self.ensure_layout()
-            recvs = [(receive_from, self.own[idx])]
-        self.transport.exchange(sends, recvs)
-        if receive_from is not None:
-            self.own_iter[idx] = iteration
-
-    def after_restore(self, iteration: int) -> None:
-        """Everything newer than the restored iteration is dropped; the restored iteration's
-        copies stay valid (a failure during re-protection can restore it again)."""
-        self.own_iter = [i if i == iteration else -1 for i in self.own_iter]
-        self.recv_iter = {o: [i if i <= iteration else -1 for i in its]
-                          for o, its in self.recv_iter.items()}
-        self.committed = iteration
-
-    def reprotect(self, iteration: int, skip=frozenset()) -> None:
-        """Send the restored snapshot to the (possibly new) buddies that do not hold it yet,
-        and commit it."""
-        self._exchange_and_commit(iteration, skip)
-        if self.committed != iteration:
-            raise MirrorError(f"re-protection of iteration {iteration} did not commit")
+    def _drop_superseded(self) -> None:
+        for o in [o for o in self.recv if o not in self.holds]:
+            del self.recv[o], self.recv_iter[o]  # superseded by the new placement
 
     def close(self) -> None:
         self._q.put(None)

@@ -58,20 +58,39 @@ class Layout:
 
     def __init__(self, named: Sequence[Tuple[str, torch.Tensor]], meta_capacity: int):
         self.entries: List[Entry] = []
-        off = HEADER_BYTES
-        for name, t in named:  # packed back to back: the host copy is one torch.cat
+        off, prev = HEADER_BYTES, None
+        for name, t in named:  # packed back to back, but for the gaps of _storage_gap
             nbytes = t.numel() * t.element_size()
+            off += _storage_gap(prev, t)
             self.entries.append(Entry(name, off, nbytes))
             off += nbytes
+            prev = t
         self.tensor_end = _align(off)
         self.tensor_bytes = sum(e.nbytes for e in self.entries)  # read at every seal
         self.meta_capacity = meta_capacity
         self.total_bytes = _align(off + meta_capacity)
         h = hashlib.sha256()
         for e, (_, t) in zip(self.entries, named):
-            h.update(f"{e.name}:{e.nbytes}:{tuple(t.shape)}:{t.dtype};".encode())
+            h.update(f"{e.name}:{e.offset}:{e.nbytes}:{tuple(t.shape)}:{t.dtype};".encode())
         self.layout_id = int.from_bytes(h.digest()[:7], "little")
 
+
+MAX_GAP = 4096  # bytes of padding between two views that the slot repeats
+
+
+def _storage_gap(prev, t) -> int:
+    """Bytes between ``prev``'s end and ``t``'s start when both are contiguous views into
+    one storage, ``t`` shortly after ``prev`` (megatron's param buffer pads each param's
+    start to 64 elements, so the shard pieces of an fp32 model's main params lie a little
+    apart): the slot keeps the same gap, so the pieces stay one copy (``d2h.plan``). The
+    gap depends only on offsets inside the storage, never on addresses, so every process
+    of the same model computes the same layout. 0 otherwise."""
+    if prev is None or not (prev.is_contiguous() and t.is_contiguous()):
+        return 0
+    if prev.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+        return 0
+    gap = t.data_ptr() - (prev.data_ptr() + prev.numel() * prev.element_size())
+    return gap if 0 < gap <= MAX_GAP else 0
 
 
 def alloc_slot(nbytes: int, pin: bool) -> torch.Tensor:

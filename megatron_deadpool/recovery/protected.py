@@ -16,7 +16,7 @@ from ..errors import DeadpoolError
 from ..faults import Phase as FaultPhase
 from ..megatron import shard
 from ..megatron import train_state as ts
-from ..megatron.support import check_supported
+from ..megatron.support import check_supported, step_barrier
 from ..mirror import cpu, persist, snapshot
 from ..mirror.mirror import Mirror
 from ..mirror.threads import lower_thread_priority, native_thread_ids
@@ -56,7 +56,6 @@ class Protected:
         self._cpu_last: Optional[cpu.Sample] = None
         # progress(): when the newest snapshot began, (iteration, seconds to its commit)
         self._t_begin = 0.0
-        self._lag: Optional[tuple] = None
         self._wait_mark = 0.0
 
     CPU_WINDOW_START = 3  # steps before it (startup, first allocations) are not counted
@@ -87,6 +86,10 @@ class Protected:
         self.mirror.set_sources(lambda: shard.shard_tensors(optimizer, placeholders=True)
                                 + shard.unreplicated_tensors(model, dp_size))
         self.mirror.fault_hook = lambda it: fault_points(it, FaultPhase.MIRROR)
+        why_not = step_barrier(optimizer)  # mirror/commit.py
+        self.mirror.commits.implicit = why_not is None
+        if why_not is not None and self.replicas:
+            log.info("mirror commits with its own collective: %s", why_not)
         self.mirror.job = self.job_id
         periodic = None
         if self.fallback_dir and self.fallback_every:
@@ -128,18 +131,18 @@ class Protected:
 
     def _committed(self, iteration: int, periodic) -> None:
         """Mirror thread, right after snapshot ``iteration`` committed."""
-        self._lag = (iteration, time.perf_counter() - self._t_begin)
         if periodic is not None:
             periodic(iteration)
 
     def progress(self, iteration: int) -> dict:
         """For the progress line of ``iteration``, before its snapshot begins:
         ``mirror_lag_s``, how long after the previous step's optimizer step its snapshot
-        (iteration - 1) was committed (None: no such snapshot, e.g. the first step after a
+        (iteration - 1) was done: copied, sent, verified (None: none, e.g. the first step after a
         restore), and ``mirror_wait_s``, how long this step's optimizer step waited for it."""
         m = self.mirror
         waited, self._wait_mark = m.wait_s - self._wait_mark, m.wait_s
-        lag = self._lag[1] if self._lag and self._lag[0] == iteration - 1 else None
+        done = m.last_done  # (iteration, when its job ended), from the mirror thread
+        lag = done[1] - self._t_begin if done and done[0] == iteration - 1 else None
         return {"mirror_lag_s": lag, "mirror_wait_s": waited, "committed": m.committed}
 
     # ---------------------------------------------------------------- loop
@@ -218,7 +221,7 @@ class Protected:
     def restore(self, rank: int) -> int:
         """Restore the newest iteration held for every rank (``restore.py``); returns it."""
         self._initial_commit_pending = False
-        self._lag = None  # the first step after a restore waits for no snapshot
+        self.mirror.last_done = None  # the first step after a restore waits for no snapshot
         chosen, meta = restore.execute(self.mirror, self.optimizer, self.model, rank)
         self._apply(meta)
         return chosen
@@ -258,7 +261,8 @@ class Protected:
                 "mirror_bytes": m.layout.total_bytes if m.layout else 0,
                 "mirror_tensor_bytes": m.layout.tensor_bytes if m.layout else 0,
                 "mirror_copies": m.copy_stats(),
-                "committed": m.committed}
+                "committed": m.committed,
+                "mirror_commit": "implicit" if m.commits.implicit else "collective"}
 
     def _cost_info(self, m: Mirror) -> dict:
         """``mirror_cpu`` (mirror/cpu.py) over the steps from CPU_WINDOW_START on, and the

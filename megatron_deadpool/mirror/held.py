@@ -1,0 +1,66 @@
+"""The mirror's recovery side: what a rank holds (its own slots, its owners' copies), the
+restore of its own copy, the transfer of copies to the ranks that lack theirs, and the
+re-protection of the restored iteration. Mixed into ``Mirror`` (mirror.py), whose state it
+reads: ``own``/``own_iter``, ``recv``/``recv_iter``, ``commits``, ``transport``."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from ..errors import MirrorError
+from . import snapshot
+
+
+class HeldCopies:
+    def has_local(self, iteration: int) -> bool:
+        return iteration >= 0 and self.own_iter[iteration % 2] == iteration
+
+    def holds_copy(self, owner: int, iteration: int) -> bool:
+        its = self.recv_iter.get(owner)
+        return its is not None and iteration >= 0 and its[iteration % 2] == iteration
+
+    def restore_local(self, iteration: int) -> dict:
+        """Verify the local copy of ``iteration`` and load it into the live tensors."""
+        slot = self.own[iteration % 2]
+        self.refresh_sources()
+        layout = self.ensure_layout()
+        meta = snapshot.verify(slot, self.rank, iteration, layout, self.job)
+        snapshot.copy_tensors_out(slot, layout, self._tensors)
+        self.refresh_sources()
+        return meta
+
+    def inventory(self) -> dict:
+        """What this rank holds, for the restore decision (recovery/restore.py)."""
+        return {"own": sorted(i for i in self.own_iter if i >= 0), "committed": self.committed,
+                "copies": {str(o): sorted(i for i in its if i >= 0)
+                           for o, its in self.recv_iter.items() if any(i >= 0 for i in its)}}
+
+    def transfer_for_restore(self, iteration: int, serve: Sequence[int], receive_from: Optional[int]
+                             ) -> None:
+        """Holders send their copy of ``iteration`` of each owner in ``serve`` (to the rank of
+        the same id); a rank without its own copy receives it from ``receive_from`` into its
+        own slot."""
+        idx = iteration % 2
+        sends = [(o, self.recv[o][idx]) for o in serve]
+        recvs = []
+        if receive_from is not None:
+            self.ensure_layout()
+            recvs = [(receive_from, self.own[idx])]
+        self.transport.exchange(sends, recvs)
+        if receive_from is not None:
+            self.own_iter[idx] = iteration
+
+    def after_restore(self, iteration: int) -> None:
+        """Everything newer than the restored iteration is dropped; the restored iteration's
+        copies stay valid (a failure during re-protection can restore it again)."""
+        self.own_iter = [i if i == iteration else -1 for i in self.own_iter]
+        self.recv_iter = {o: [i if i <= iteration else -1 for i in its]
+                          for o, its in self.recv_iter.items()}
+        self.commits.reset(iteration)
+
+    def reprotect(self, iteration: int, skip=frozenset()) -> None:
+        """Send the restored snapshot to the (possibly new) buddies that do not hold it yet,
+        and commit it."""
+        self._exchange_and_commit(iteration, skip, collective=True)
+        if self.committed != iteration:
+            raise MirrorError(f"re-protection of iteration {iteration} did not commit")
