@@ -107,7 +107,8 @@ def _print_overhead(r: dict) -> None:
     f = r.get("mirror_cpu_fraction")
     print(f"mirror_cpu_fraction {f if f is None else round(f, 5)} (max over ranks) | "
           f"snapshot_gbps {_fmt(r.get('snapshot_gbps'))} | copy_gbps "
-          f"{_fmt(r.get('copy_gbps'))} | checksum_gbps {_fmt(r.get('checksum_gbps'))}",
+          f"{_fmt(r.get('copy_gbps'))} (cold caches: {_fmt(r.get('copy_cold_gbps'))}) | "
+          f"checksum_gbps {_fmt(r.get('checksum_gbps'))}",
           flush=True)
     print(f"step_s_off {r['step_s_off'] * 1000:.2f} ms | step_s_on {r['step_s_on'] * 1000:.2f}"
           f" ms | ratio_on_over_off {r['ratio_on_over_off']:.4f} | mirror_bytes_per_rank "
@@ -146,13 +147,17 @@ def combine_costs(costs: List[dict]) -> dict:
 
     ratios = [s["snapshot_gbps"] / s["copy_gbps"] for s in snaps
               if s.get("snapshot_gbps") and s.get("copy_gbps")]
+    cold = [s["snapshot_gbps"] / s["copy_cold_gbps"] for s in snaps
+            if s.get("snapshot_gbps") and s.get("copy_cold_gbps")]
     return {"mirror_cpu_fraction": statistics.median(fr) if fr else None,
             "mirror_cpu_fraction_runs": fr,
             "mirror_cpu": [c["mirror_cpu_worst_rank"] for c in costs],
             "snapshot_gbps": med("snapshot_gbps"), "copy_gbps": med("copy_gbps"),
             "checksum_gbps": med("checksum_gbps"), "snapshot_bytes": med("snapshot_bytes"),
             "snapshot_over_copy_min": min(ratios) if ratios else None,
-            "snapshot_over_copy_median": statistics.median(ratios) if ratios else None}
+            "snapshot_over_copy_median": statistics.median(ratios) if ratios else None,
+            "copy_cold_gbps": med("copy_cold_gbps"),
+            "snapshot_over_cold_copy_median": statistics.median(cold) if cold else None}
 
 
 def host_memory(results_dir: str, world_size: int, argv: List[str]) -> dict:

@@ -108,7 +108,8 @@ def test_format_1_slot_is_refused_by_name():
 
 def _rank(fraction, gbps, copy):
     return {"mirror_cpu": {"mirror_cpu_fraction": fraction},
-            "snapshot": {"snapshot_gbps": gbps, "copy_gbps": copy, "snapshot_bytes": 100}}
+            "snapshot": {"snapshot_gbps": gbps, "copy_gbps": copy, "copy_cold_gbps": copy / 2,
+                         "snapshot_bytes": 100}}
 
 
 def test_bench_takes_the_max_over_ranks_then_the_median_over_runs(tmp_path):
@@ -124,6 +125,7 @@ def test_bench_takes_the_max_over_ranks_then_the_median_over_runs(tmp_path):
     assert out["mirror_cpu_fraction"] == 0.04
     assert out["snapshot_gbps"] == 2.5 and out["copy_gbps"] == 4.0
     assert out["snapshot_over_copy_min"] == 0.5
+    assert out["copy_cold_gbps"] == 2.0 and out["snapshot_over_cold_copy_median"] == 1.25
 
 
 SOLO = textwrap.dedent("""
@@ -156,6 +158,7 @@ def test_a_protected_run_reports_its_mirror_cpu_and_snapshot_bandwidth():
     s = r["snapshot"]
     assert s["snapshot_bytes"] == r["mirror_tensor_bytes"] and s["snapshots"] == 7
     assert s["snapshot_gbps"] > 0 and s["copy_gbps"] > 0 and s["checksum_gbps"] > 0
+    assert s["copy_cold_gbps"] > 0
 
 
 def test_compact_python_rng_state_restores_the_same_draws():

@@ -84,15 +84,22 @@ def window(start: Sample, last: Sample, end: Sample) -> Optional[dict]:
             "mirror_cpu_fraction": per_job / per_step if per_step > 0 else None}
 
 
+EVICT_BYTES = 64 << 20  # written between cold copies: more than this machine's caches
+
+
 def calibrate(nbytes: int, repeats: int = 21) -> dict:
     """The limit for the snapshot's copy: a plain torch copy of ``nbytes`` from one
-    contiguous host buffer into a preallocated one (median of ``repeats``), and the
-    checksum's speed on the same bytes. Run on the mirror thread (same priority)."""
+    contiguous host buffer into a preallocated one (median of ``repeats``; the same two
+    buffers every time, so they stay in cache), the same copy right after every cache level
+    was overwritten (``copy_cold_s``: a snapshot reads what the optimizer step wrote, with
+    other processes in between), and the checksum's speed on the same bytes. Run on the
+    mirror thread (same priority)."""
     from . import snapshot
 
     src = torch.empty(max(nbytes, 1), dtype=torch.uint8).random_(0, 256)
     dst = torch.zeros_like(src)
-    copy, crc = [], []
+    evict = torch.zeros(EVICT_BYTES, dtype=torch.uint8)
+    copy, cold, crc = [], [], []
     for _ in range(repeats):  # thread CPU clock, as the snapshot's copy (d2h.Copier)
         t0 = time.thread_time()
         dst.copy_(src)
@@ -100,13 +107,19 @@ def calibrate(nbytes: int, repeats: int = 21) -> dict:
         snapshot.checksum(dst)
         crc.append(time.thread_time() - t1)
         copy.append(t1 - t0)
-    return {"copy_s": statistics.median(copy), "crc_s": statistics.median(crc)}
+    for _ in range(repeats):  # after the warm ones: the eviction would disturb them
+        evict.add_(1)
+        t0 = time.thread_time()
+        dst.copy_(src)
+        cold.append(time.thread_time() - t0)
+    return {"copy_s": statistics.median(copy), "crc_s": statistics.median(crc),
+            "copy_cold_s": statistics.median(cold)}
 
 
 def snapshot_stats(copy_times, nbytes: int, calib: Optional[dict], drop: int = 3) -> dict:
     """``snapshot_gbps``: bytes copied into the slot per second of copy time (median over
     the snapshots after the first ``drop``; host: the copying thread's CPU clock), against
-    ``copy_gbps`` (``calibrate``, same clock)."""
+    ``copy_gbps`` and ``copy_cold_gbps`` (``calibrate``, same clock)."""
     times = list(copy_times)[drop:] or list(copy_times)
     out = {"snapshot_s": statistics.median(times) if times else None,
            "snapshot_bytes": nbytes, "snapshots": len(times)}
@@ -114,5 +127,7 @@ def snapshot_stats(copy_times, nbytes: int, calib: Optional[dict], drop: int = 3
     if calib:
         out["copy_s"], out["checksum_s"] = calib["copy_s"], calib["crc_s"]
         out["copy_gbps"] = nbytes / calib["copy_s"] / 1e9 if calib["copy_s"] else None
+        cold = calib.get("copy_cold_s")
+        out["copy_cold_gbps"] = nbytes / cold / 1e9 if cold else None
         out["checksum_gbps"] = nbytes / calib["crc_s"] / 1e9 if calib["crc_s"] else None
     return out
