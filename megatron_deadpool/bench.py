@@ -108,7 +108,8 @@ def _print_overhead(r: dict) -> None:
     print(f"mirror_cpu_fraction {f if f is None else round(f, 5)} (max over ranks) | "
           f"snapshot_gbps {_fmt(r.get('snapshot_gbps'))} | copy_gbps "
           f"{_fmt(r.get('copy_gbps'))} (cold caches: {_fmt(r.get('copy_cold_gbps'))}) | "
-          f"checksum_gbps {_fmt(r.get('checksum_gbps'))}",
+          f"checksum_gbps {_fmt(r.get('checksum_gbps'))} | commit "
+          f"{'/'.join(r.get('mirror_commit') or ['?'])}",
           flush=True)
     print(f"step_s_off {r['step_s_off'] * 1000:.2f} ms | step_s_on {r['step_s_on'] * 1000:.2f}"
           f" ms | ratio_on_over_off {r['ratio_on_over_off']:.4f} | mirror_bytes_per_rank "
@@ -130,6 +131,7 @@ def mirror_cost(results_dir: str, world_size: int) -> dict:
     snaps = [x.get("snapshot") or {} for x in ranks]
     return {"mirror_cpu_fraction": fr[worst] if worst is not None else None,
             "mirror_cpu_fraction_per_rank": fr,
+            "mirror_commit": sorted({x.get("mirror_commit") or "?" for x in ranks}),
             "mirror_cpu_worst_rank": ranks[worst].get("mirror_cpu") if worst is not None
             else None,
             "snapshot_per_rank": snaps}
@@ -152,6 +154,7 @@ def combine_costs(costs: List[dict]) -> dict:
     return {"mirror_cpu_fraction": statistics.median(fr) if fr else None,
             "mirror_cpu_fraction_runs": fr,
             "mirror_cpu": [c["mirror_cpu_worst_rank"] for c in costs],
+            "mirror_commit": sorted({m for c in costs for m in c.get("mirror_commit", [])}),
             "snapshot_gbps": med("snapshot_gbps"), "copy_gbps": med("copy_gbps"),
             "checksum_gbps": med("checksum_gbps"), "snapshot_bytes": med("snapshot_bytes"),
             "snapshot_over_copy_min": min(ratios) if ratios else None,

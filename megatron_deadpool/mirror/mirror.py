@@ -10,7 +10,7 @@ Steady state, per iteration k (the only sync point is right before step k+1)::
     (implicit commit, commit.py: no all_ok; k commits when job k+1 begins)
 
 Slot parity is ``iteration % 2``: the copy of k-1 (committed) stays intact while k is in
-flight, and job k must commit before step k+1 may overwrite the state it reads.
+flight, and job k must be done before step k+1 may overwrite the state it reads.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class Mirror(HeldCopies):
     def __init__(self, rank: int, replicas: int, meta_capacity: int = 1 << 16,
                  use_cuda: bool = False, flat_state: bool = True):
         self.rank = rank
-        self.flat = flat_state  # re-home the sources into flat buffers (flat.py)
+        self.flat_state = flat_state  # re-home the sources into flat buffers (flat.py)
         self.replicas = replicas
         self.meta_capacity = meta_capacity
         self.use_cuda = use_cuda
@@ -96,7 +96,7 @@ class Mirror(HeldCopies):
         if self.layout is None or self._stale:
             named = list(self._tensors_fn())
             self._tensors = [t for _, t in named]
-            if self.flat:
+            if self.flat_state:
                 flat.consolidate(self._tensors)
             self._runs = None
             self._stale = False
