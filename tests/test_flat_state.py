@@ -74,3 +74,13 @@ def test_the_layout_does_not_depend_on_addresses():
     assert one.layout_id == two.layout_id
     packed = snapshot.Layout([("t0", torch.zeros(30)), ("t1", torch.zeros(36))], 64)
     assert packed.layout_id != one.layout_id  # the gap is part of the layout
+
+
+def test_buffers_are_capped_so_the_transient_extra_memory_is_bounded():
+    ts = [torch.randn(10) for _ in range(5)]  # 40 bytes each
+    assert flat.runs(ts, cap=100) == [[0, 1], [2, 3]]  # the fifth alone: no buffer
+    before = [t.clone() for t in ts]
+    assert flat.consolidate(ts, cap=100) == 4
+    assert ts[0].untyped_storage().data_ptr() == ts[1].untyped_storage().data_ptr()
+    assert ts[1].untyped_storage().data_ptr() != ts[2].untyped_storage().data_ptr()
+    assert all(torch.equal(a, b) for a, b in zip(ts, before))

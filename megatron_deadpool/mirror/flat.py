@@ -19,6 +19,10 @@ from typing import List, Sequence
 
 import torch
 
+# A flat buffer is allocated whole before the tensors it replaces are freed: the cap bounds
+# that transient extra memory (device memory on GPU), at the price of one copy per buffer.
+MAX_BUFFER_BYTES = 1 << 30
+
 
 def exclusive(t: torch.Tensor) -> bool:
     """True if ``t`` is the only tensor on its storage and covers all of it."""
@@ -31,9 +35,10 @@ def exclusive(t: torch.Tensor) -> bool:
     return torch._C._storage_Use_Count(storage._cdata) == 2
 
 
-def runs(tensors: Sequence[torch.Tensor]) -> List[List[int]]:
+def runs(tensors: Sequence[torch.Tensor], cap: int = MAX_BUFFER_BYTES) -> List[List[int]]:
     """Indexes of consecutive movable tensors that can share one buffer: same device, each
-    starting at a byte offset that its element size divides (packed, as in the slot)."""
+    starting at a byte offset that its element size divides (packed, as in the slot), at
+    most ``cap`` bytes in all (a larger tensor stays alone)."""
     out: List[List[int]] = []
     cur: List[int] = []
     nbytes, device = 0, None
@@ -41,21 +46,21 @@ def runs(tensors: Sequence[torch.Tensor]) -> List[List[int]]:
         if not exclusive(t):
             cur = []
             continue
-        size = t.element_size()
-        if not cur or t.device != device or nbytes % size:
+        size, n = t.element_size(), t.numel() * t.element_size()
+        if not cur or t.device != device or nbytes % size or nbytes + n > cap:
             cur, nbytes, device = [], 0, t.device
             out.append(cur)
         cur.append(i)
-        nbytes += t.numel() * size
+        nbytes += n
     return [r for r in out if len(r) > 1]
 
 
-def consolidate(tensors: Sequence[torch.Tensor]) -> int:
+def consolidate(tensors: Sequence[torch.Tensor], cap: int = MAX_BUFFER_BYTES) -> int:
     """Move runs of ``tensors`` (in slot order) into fresh flat buffers, values unchanged.
     Returns how many tensors moved. Safe to call again: moved tensors share a buffer and are
     no longer ``exclusive``."""
     moved = 0
-    for run in runs(tensors):
+    for run in runs(tensors, cap):
         members = [tensors[i] for i in run]
         total = sum(t.numel() * t.element_size() for t in members)
         flat = torch.empty(total, dtype=torch.uint8, device=members[0].device)
