@@ -111,6 +111,16 @@ def _print_overhead(r: dict) -> None:
           f"checksum_gbps {_fmt(r.get('checksum_gbps'))} | commit "
           f"{'/'.join(r.get('mirror_commit') or ['?'])}",
           flush=True)
+    worst = [c for c in r.get("mirror_cpu") or [] if c]
+    if worst:  # the last run's worst rank: where a snapshot job's CPU goes
+        w, us = worst[-1], lambda x: f"{x * 1e6:.0f}"
+        ph = " ".join(f"{k} {us(v)}" for k, v in
+                      (w.get("mirror_thread_phase_cpu_per_job_s") or {}).items())
+        print(f"CPU us per snapshot job (worst rank, last run): main thread "
+              f"{us(w['main_mirror_cpu_per_job_s'])} | mirror thread "
+              f"{us(w.get('mirror_thread_cpu_per_job_s', 0.0))} ({ph}) | gloo "
+              f"{us(w.get('gloo_cpu_per_job_s', 0.0))} | main thread's step "
+              f"{us(w['main_train_cpu_per_step_s'])}", flush=True)
     print(f"step_s_off {r['step_s_off'] * 1000:.2f} ms | step_s_on {r['step_s_on'] * 1000:.2f}"
           f" ms | ratio_on_over_off {r['ratio_on_over_off']:.4f} | mirror_bytes_per_rank "
           f"{r['mirror_bytes_per_rank']} | host_bytes_per_rank "

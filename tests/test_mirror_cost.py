@@ -53,6 +53,36 @@ def test_thread_clock_from_proc_matches_the_threads_own_clock():
     assert cpu.threads_cpu_s([out["tid"], threading.get_native_id()]) > 0
 
 
+def _late_named_thread(name: str, delay_s: float, stop: threading.Event, tids: list):
+    """A thread that, like a native one, names itself only once it runs (here: late)."""
+    def body():
+        tids.append(threading.get_native_id())
+        time.sleep(delay_s)
+        with open(f"/proc/self/task/{tids[0]}/comm", "w") as f:
+            f.write(name)
+        stop.wait(10)
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_thread_that_names_itself_late_is_still_found():
+    from megatron_deadpool.mirror.threads import started_threads, thread_names
+
+    before, stop, tids = thread_names(), threading.Event(), []
+    _late_named_thread("dp-late-test", 0.2, stop, tids)
+    try:
+        got = started_threads(before, ("dp-late-test",), settle_s=5.0)
+        assert got == set(tids) and len(tids) == 1
+        # one that never names itself: given up on after settle_s, not found
+        before, tids2 = thread_names(), []
+        _late_named_thread("dp-never", 60.0, stop, tids2)
+        assert started_threads(before, ("dp-never",), settle_s=0.1) == set()
+    finally:
+        stop.set()
+
+
 def test_foreach_copy_fills_each_slot_exactly():
     flat = torch.arange(64, dtype=torch.float32)
     named = [("a", flat[:16]), ("b", flat[16:48]), ("x", torch.randn(7)),

@@ -56,6 +56,7 @@ class Sample:
     steps: int
     jobs: int = 0
     parts: Optional[dict] = None  # {"mirror_thread", "checksum_pool", "gloo"}: seconds
+    phases: Optional[dict] = None  # the mirror thread's, per part of a job (Mirror.phase_cpu)
 
     @property
     def mirror_threads_s(self) -> float:
@@ -76,7 +77,10 @@ def window(start: Sample, last: Sample, end: Sample) -> Optional[dict]:
     per_step = main_train / steps
     parts = {f"{k}_cpu_per_job_s": ((end.parts or {}).get(k, 0.0) - v) / jobs
              for k, v in (start.parts or {}).items()}
+    phases = {k: ((end.phases or {}).get(k, 0.0) - v) / jobs
+              for k, v in (start.phases or {}).items()}
     return {"steps": steps, "jobs": jobs, **parts,
+            "mirror_thread_phase_cpu_per_job_s": phases,
             "main_train_cpu_per_step_s": per_step,
             "mirror_cpu_per_job_s": per_job,
             "mirror_threads_cpu_per_job_s": threads / jobs,

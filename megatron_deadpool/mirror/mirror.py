@@ -8,6 +8,8 @@ Steady state, per iteration k (the only sync point is right before step k+1)::
                                                             -> verify received -> all_ok
                                                             -> committed = k
     (implicit commit, commit.py: no all_ok; k commits when job k+1 begins)
+    (a host shard of at most 1 MiB is copied by begin(k) itself, while it is still in
+    this core's cache: d2h.copy_on_caller)
 
 Slot parity is ``iteration % 2``: the copy of k-1 (committed) stays intact while k is in
 flight, and job k must be done before step k+1 may overwrite the state it reads.
@@ -30,6 +32,20 @@ from .threads import lower_thread_priority
 from .transport import MirrorTransport
 
 TensorsFn = Callable[[], Sequence[Tuple[str, torch.Tensor]]]
+PHASES = ("copy", "seal", "exchange", "verify")  # a snapshot job's parts (phase_cpu)
+
+
+class _PhaseClock:
+    """Adds the thread's CPU seconds since the previous lap to ``into[name]`` (None: off)."""
+
+    def __init__(self, into: Optional[Dict[str, float]]):
+        self.into, self.t = into, time.thread_time() if into is not None else 0.0
+
+    def lap(self, name: str) -> None:
+        if self.into is not None:
+            t = time.thread_time()
+            self.into[name] += t - self.t
+            self.t = t
 
 
 class Mirror(HeldCopies):
@@ -61,6 +77,7 @@ class Mirror(HeldCopies):
         self.jobs = 0
         self.job_s = 0.0
         self.job_cpu_s = 0.0  # the mirror thread's CPU clock over its snapshot jobs
+        self.phase_cpu = dict.fromkeys(PHASES, 0.0)  # the same, per part of the job
         self.tid: Optional[int] = None  # the mirror thread's native id
         self.last_error: Optional[BaseException] = None
         self._q: "queue.Queue" = queue.Queue()
@@ -151,8 +168,11 @@ class Mirror(HeldCopies):
         if self._step_done is not None:
             # Reused: the job of the previous record is done (wait() before every step).
             self._step_done.record()
+        copied = d2h.copy_on_caller(self.layout.tensor_end, self.copier.stream is not None)
+        if copied:  # a small host shard, still in this core's cache (d2h.copy_on_caller)
+            self.copier.copy(self.own[iteration % 2], self._runs)
         self._idle.clear()
-        self._q.put(("snapshot", iteration, meta, self._step_done))
+        self._q.put(("snapshot", iteration, meta, self._step_done, copied))
 
     def wait(self) -> None:
         """Block until the in-flight job is done (before the next step mutates the state).
@@ -182,12 +202,12 @@ class Mirror(HeldCopies):
             if item is None:
                 return
             t0, c0 = time.perf_counter(), time.thread_time()
-            kind, iteration, meta, event = item
+            kind, iteration, meta, event, copied = item
             try:
                 if kind == "call":  # run_on_thread: not a snapshot job, not counted
                     meta["result"] = iteration()
                     continue
-                self._snapshot_job(iteration, meta, event)
+                self._snapshot_job(iteration, meta, event, copied)
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread by wait()
                 self.last_error = exc
             finally:
@@ -204,13 +224,14 @@ class Mirror(HeldCopies):
         self.wait()
         box: dict = {}
         self._idle.clear()
-        self._q.put(("call", fn, box, None))
+        self._q.put(("call", fn, box, None, False))
         self._idle.wait()
         if "result" not in box:
             self.wait()  # raises the call's error
         return box.get("result")
 
-    def _snapshot_job(self, iteration: int, meta: dict, event) -> None:
+    def _snapshot_job(self, iteration: int, meta: dict, event, copied: bool) -> None:
+        clock = _PhaseClock(self.phase_cpu)
         if self.commits.implicit:  # step ``iteration`` has returned: see commit.py
             done = self.commits.settle(iteration)
             if done is not None:
@@ -219,11 +240,14 @@ class Mirror(HeldCopies):
                     self.on_committed(done)
         idx = iteration % 2
         slot = self.own[idx]
-        self.copier.copy(slot, self._runs, event)
+        if not copied:
+            self.copier.copy(slot, self._runs, event)
+        clock.lap("copy")
         snapshot.seal(slot, self.layout, self.rank, iteration, meta, self.job)
+        clock.lap("seal")
         self.own_iter[idx] = iteration
         self._maybe_fault(iteration)
-        self._exchange_and_commit(iteration)
+        self._exchange_and_commit(iteration, clock=clock)
         self.last_done = (iteration, time.perf_counter())
         if self.on_committed is not None and self.committed == iteration:
             self.on_committed(iteration)  # e.g. a periodic fallback save (persist.py)
@@ -250,7 +274,7 @@ class Mirror(HeldCopies):
         # restorable, until a newer iteration commits (see _exchange_and_commit).
 
     def _exchange_and_commit(self, iteration: int, skip=frozenset(),
-                             collective: bool = False) -> None:
+                             collective: bool = False, clock=None) -> None:
         """Send this rank's slot to its buddies, receive its owners' slots, verify, commit
         (implicitly later unless ``collective``: commit.py). ``skip``: (owner, holder) pairs
         whose copy of ``iteration`` is already in place. Without replicas the local copy
@@ -266,6 +290,8 @@ class Mirror(HeldCopies):
         self.transport.exchange([(b, self.own[idx]) for b in self.buddies
                                  if (self.rank, b) not in skip],
                                 [(o, self.recv[o][idx]) for o in owners])
+        clock = clock or _PhaseClock(None)
+        clock.lap("exchange")
         ok = True
         for o in owners:
             try:
@@ -274,6 +300,7 @@ class Mirror(HeldCopies):
                 self.recv_iter[o][idx] = iteration
             except MirrorCorruptError:
                 ok = False
+        clock.lap("verify")
         if self.commits.implicit and not collective:
             self.commits.verified(iteration, ok)
         elif self.commits.collective(iteration, self.transport.all_ok(ok)):

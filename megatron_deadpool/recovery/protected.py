@@ -19,7 +19,7 @@ from ..megatron import train_state as ts
 from ..megatron.support import check_supported, step_barrier
 from ..mirror import cpu, persist, snapshot
 from ..mirror.mirror import Mirror
-from ..mirror.threads import lower_thread_priority, native_thread_ids
+from ..mirror.threads import lower_thread_priority, started_threads, thread_names
 from ..mirror.transport import GlooTransport
 from . import restore
 from .quiet import CollectiveSuppressor
@@ -107,11 +107,11 @@ class Protected:
         model-parallel groups, so that every group exists before any rank builds (a promoted
         spare) or restores its state."""
         names = cpu.GLOO_THREAD_NAMES
-        before = set().union(*(native_thread_ids(n) for n in names))
+        before = thread_names()
         create_s, op_s = self.mirror_timeouts_s
         self._transport = GlooTransport(timeout_s=op_s, create_timeout_s=create_s)
         # the mirror group's I/O thread and workers (training groups' threads existed before)
-        self._gloo_tids = set().union(*(native_thread_ids(n) for n in names)) - before
+        self._gloo_tids = started_threads(before, names)
         for tid in self._gloo_tids:
             lower_thread_priority(tid)
         if self.mirror is not None:
@@ -177,6 +177,7 @@ class Protected:
             s.jobs = m.jobs
             s.parts = {"mirror_thread": m.job_cpu_s, "checksum_pool": snapshot.pool_cpu_s(),
                        "gloo": cpu.threads_cpu_s(self._gloo_tids)}
+            s.phases = dict(m.phase_cpu)
         return s
 
     def _meta(self, iteration: int) -> dict:
