@@ -184,6 +184,9 @@ def test_a_protected_run_reports_its_mirror_cpu_and_snapshot_bandwidth():
     assert (w["steps"], w["jobs"]) == (6, 7) and r["mirror_jobs"] == 10
     assert w["main_train_cpu_per_step_s"] > 0 and w["mirror_threads_cpu_per_job_s"] > 0
     assert w["main_mirror_cpu_per_job_s"] > 0 and w["mirror_cpu_fraction"] > 0
+    phases = w["mirror_thread_phase_cpu_per_job_s"]
+    assert set(phases) == {"copy", "seal", "exchange", "verify"}
+    assert 0 < sum(phases.values()) <= w["mirror_thread_cpu_per_job_s"]
     assert len(r["gloo_tids"]) == 3  # the mirror group's loop thread and two workers
     s = r["snapshot"]
     assert s["snapshot_bytes"] == r["mirror_tensor_bytes"] and s["snapshots"] == 7

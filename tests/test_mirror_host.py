@@ -85,43 +85,30 @@ def test_views_that_are_not_adjacent_in_the_slot_stay_separate():
     assert [r.nbytes for r in runs] == [40]
 
 
-@pytest.mark.parametrize("on_caller", [False, True])
-def test_snapshot_copies_run_where_the_policy_says(monkeypatch, on_caller):
-    """On a device (or for a large host shard) the copies run on the mirror thread; a small
-    host shard is copied by ``begin`` itself (``d2h.copy_on_caller``). Either way once."""
-    threads, asked = [], []
+def test_snapshot_copies_run_on_the_mirror_thread(monkeypatch):
+    threads = []
     real = d2h.Copier.copy
 
     def spy(self, slot, runs, step_done=None):
         threads.append(threading.current_thread().name)
         return real(self, slot, runs, step_done)
 
-    def policy(nbytes, on_device):
-        asked.append((nbytes, on_device))
-        return on_caller
-
     monkeypatch.setattr(d2h.Copier, "copy", spy)
-    monkeypatch.setattr(d2h, "copy_on_caller", policy)
     m = Mirror(0, replicas=0, meta_capacity=1 << 12)
     try:
         m.set_sources(_named)
         m.set_topology(_Transport(), ["node0"])
         m.begin(1, {"iteration": 1})
         m.wait()
-        assert threads == [threading.current_thread().name if on_caller
-                           else "deadpool-mirror"]
-        assert asked == [(m.layout.tensor_end, False)]
+        assert threads == ["deadpool-mirror"]
         assert m.copy_stats()["runs"] == 4 and m.copy_stats()["copies"] == 4
-        assert m.committed == 1 and m.restore_local(1) == {"iteration": 1}
+        # the job's CPU, per part: every part clocked, none more than the whole job
+        assert set(m.phase_cpu) == {"copy", "seal", "exchange", "verify"}
+        assert all(v >= 0 for v in m.phase_cpu.values())
+        assert m.phase_cpu["copy"] > 0 and m.phase_cpu["seal"] > 0
+        assert sum(m.phase_cpu.values()) <= m.job_cpu_s
     finally:
         m.close()
-
-
-def test_copy_on_caller_only_for_small_host_shards():
-    assert d2h.copy_on_caller(339_132, on_device=False)
-    assert d2h.copy_on_caller(d2h.CALLER_COPY_MAX_BYTES, on_device=False)
-    assert not d2h.copy_on_caller(d2h.CALLER_COPY_MAX_BYTES + 1, on_device=False)
-    assert not d2h.copy_on_caller(1, on_device=True)  # GPU: the side stream, always
 
 
 def test_replicas_zero_keeps_the_local_double_buffer_only():

@@ -24,22 +24,6 @@ import torch
 from ..errors import MirrorCorruptError
 
 
-CALLER_COPY_MAX_BYTES = 1 << 20  # about one core's L2 here (AMD EPYC: 1 MiB per core)
-
-
-def copy_on_caller(nbytes: int, on_device: bool) -> bool:
-    """Whether the main thread copies the snapshot itself, right after the optimizer step.
-
-    GPU: never; the D2H copies run on the side stream, the main thread only records an
-    event. Host, a shard of at most ``CALLER_COPY_MAX_BYTES``: yes. The step has just
-    written the shard, so it is still in this core's cache, and the copy runs at cache
-    speed (~65 GB/s here: 5 us for the reference's 0.34 MB). Copied later on the mirror
-    thread, after other processes ran on the core, the same bytes come from memory
-    (~10 GB/s: 48 us of CPU taken from the same cores). Larger host shards stay on the
-    mirror thread: their copy would lengthen the step."""
-    return not on_device and nbytes <= CALLER_COPY_MAX_BYTES
-
-
 def _flat_u8(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 

@@ -8,8 +8,6 @@ Steady state, per iteration k (the only sync point is right before step k+1)::
                                                             -> verify received -> all_ok
                                                             -> committed = k
     (implicit commit, commit.py: no all_ok; k commits when job k+1 begins)
-    (a host shard of at most 1 MiB is copied by begin(k) itself, while it is still in
-    this core's cache: d2h.copy_on_caller)
 
 Slot parity is ``iteration % 2``: the copy of k-1 (committed) stays intact while k is in
 flight, and job k must be done before step k+1 may overwrite the state it reads.
@@ -168,11 +166,8 @@ class Mirror(HeldCopies):
         if self._step_done is not None:
             # Reused: the job of the previous record is done (wait() before every step).
             self._step_done.record()
-        copied = d2h.copy_on_caller(self.layout.tensor_end, self.copier.stream is not None)
-        if copied:  # a small host shard, still in this core's cache (d2h.copy_on_caller)
-            self.copier.copy(self.own[iteration % 2], self._runs)
         self._idle.clear()
-        self._q.put(("snapshot", iteration, meta, self._step_done, copied))
+        self._q.put(("snapshot", iteration, meta, self._step_done))
 
     def wait(self) -> None:
         """Block until the in-flight job is done (before the next step mutates the state).
@@ -202,12 +197,12 @@ class Mirror(HeldCopies):
             if item is None:
                 return
             t0, c0 = time.perf_counter(), time.thread_time()
-            kind, iteration, meta, event, copied = item
+            kind, iteration, meta, event = item
             try:
                 if kind == "call":  # run_on_thread: not a snapshot job, not counted
                     meta["result"] = iteration()
                     continue
-                self._snapshot_job(iteration, meta, event, copied)
+                self._snapshot_job(iteration, meta, event)
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread by wait()
                 self.last_error = exc
             finally:
@@ -224,13 +219,13 @@ class Mirror(HeldCopies):
         self.wait()
         box: dict = {}
         self._idle.clear()
-        self._q.put(("call", fn, box, None, False))
+        self._q.put(("call", fn, box, None))
         self._idle.wait()
         if "result" not in box:
             self.wait()  # raises the call's error
         return box.get("result")
 
-    def _snapshot_job(self, iteration: int, meta: dict, event, copied: bool) -> None:
+    def _snapshot_job(self, iteration: int, meta: dict, event) -> None:
         clock = _PhaseClock(self.phase_cpu)
         if self.commits.implicit:  # step ``iteration`` has returned: see commit.py
             done = self.commits.settle(iteration)
@@ -240,8 +235,7 @@ class Mirror(HeldCopies):
                     self.on_committed(done)
         idx = iteration % 2
         slot = self.own[idx]
-        if not copied:
-            self.copier.copy(slot, self._runs, event)
+        self.copier.copy(slot, self._runs, event)
         clock.lap("copy")
         snapshot.seal(slot, self.layout, self.rank, iteration, meta, self.job)
         clock.lap("seal")
