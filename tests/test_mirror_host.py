@@ -22,8 +22,9 @@ class _Transport:
 
     def exchange(self, sends, recvs, timeout_s=None):
         self.calls.append("exchange")
+        self.sent = [src.numel() for _, src in sends]
         for (_, src), (_, dst) in zip(sends, recvs):
-            dst.copy_(src)  # the buddy's copy looks like ours (same owner id is not checked)
+            dst[:src.numel()].copy_(src)  # the buddy's copy: ours, as if it had sent it
 
     def all_ok(self, ok, timeout_s=None):
         self.calls.append("all_ok")
@@ -150,3 +151,23 @@ def test_replicas_zero_config_and_spares_refused():
     validate(LaunchOptions(nodes=1, procs_per_node=1, trainer_argv=argv))
     with pytest.raises(ConfigError, match="--deadpool-replicas 0.*--spare-nodes"):
         validate(LaunchOptions(nodes=2, procs_per_node=1, spare_nodes=1, trainer_argv=argv))
+
+
+def test_a_buddy_gets_the_sealed_bytes_only():
+    """The unused metadata capacity of the slot does not travel (``snapshot.sealed``)."""
+    t = _Transport()
+    m = Mirror(0, replicas=1, meta_capacity=1 << 12)
+    try:
+        m.set_sources(_named)
+        m.transport, m.buddies, m.holds, m._sizes = t, [1], [1], None
+        m.begin(1, {"iteration": 1})
+        m.wait()
+        h = snapshot.read_header(m.own[1])
+        assert t.sent == [h["tensor_end"] + h["meta_len"]]
+        assert t.sent[0] < m.layout.total_bytes
+        # what arrived is our own slot's used part: byte for byte, the rest untouched
+        got = m.recv[1][1]
+        assert torch.equal(got[:t.sent[0]], m.own[1][:t.sent[0]])
+        assert not got[t.sent[0]:].any()
+    finally:
+        m.close()

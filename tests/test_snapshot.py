@@ -82,3 +82,24 @@ def test_chunked_checksum_on_threads_catches_a_flip_in_any_chunk(monkeypatch):
     slot[layout.entries[0].offset + 3900] ^= 0x01  # chunk 15 of 16
     with pytest.raises(MirrorCorruptError, match="checksum"):
         snapshot.verify(slot, 0, 1, layout)
+
+
+def test_only_the_sealed_prefix_travels_and_verifies_in_a_used_buffer():
+    """What goes to a buddy ends where the metadata ends: the unused metadata capacity is not
+    sent, and the copy verifies and restores in a buffer whose tail holds anything."""
+    named, layout, slot = _sealed()
+    used = snapshot.sealed(slot)
+    h = snapshot.read_header(slot)
+    assert used.numel() == h["tensor_end"] + h["meta_len"] < slot.numel()
+    assert used.data_ptr() == slot.data_ptr()  # a view: nothing copied
+    recv = torch.full_like(slot, 0xAB)  # e.g. an older copy's bytes
+    recv[:used.numel()].copy_(used)
+    assert snapshot.verify(recv, 3, 7, layout)["iteration"] == 7
+    dst = [torch.zeros_like(t) for _, t in named]
+    snapshot.copy_tensors_out(recv, layout, dst)
+    assert all(torch.equal(t, d) for (_, t), d in zip(named, dst))
+    # a slot never sealed (no header) goes whole, and its receiver refuses it
+    blank = torch.zeros_like(slot)
+    assert snapshot.sealed(blank).numel() == blank.numel()
+    with pytest.raises(MirrorCorruptError):
+        snapshot.verify(blank, 3, 7, layout)

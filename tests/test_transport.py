@@ -27,6 +27,10 @@ def _conformance(t, rank):
     recv = torch.empty(((src + 1) * 100,), dtype=torch.uint8)
     t.exchange([(dst, send)], [(src, recv)])
     assert torch.all(recv == src)
+    # a receive buffer larger than what is sent: the bytes fill its prefix, the rest stays
+    recv = torch.full((300,), 255, dtype=torch.uint8)
+    t.exchange([(dst, torch.full((rank + 1,), rank, dtype=torch.uint8))], [(src, recv)])
+    assert torch.all(recv[:src + 1] == src) and torch.all(recv[src + 1:] == 255)
     # many-to-one: everyone sends to 0
     bufs = {r: torch.empty(10, dtype=torch.uint8) for r in range(1, WORLD)}
     if rank == 0:

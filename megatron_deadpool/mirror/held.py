@@ -41,7 +41,7 @@ class HeldCopies:
         the same id); a rank without its own copy receives it from ``receive_from`` into its
         own slot."""
         idx = iteration % 2
-        sends = [(o, self.recv[o][idx]) for o in serve]
+        sends = [(o, snapshot.sealed(self.recv[o][idx])) for o in serve]
         recvs = []
         if receive_from is not None:
             self.ensure_layout()

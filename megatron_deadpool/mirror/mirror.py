@@ -281,8 +281,8 @@ class Mirror(HeldCopies):
         owners = [o for o in self.holds if (o, self.rank) not in skip]
         for o in owners:
             self.recv_iter[o][idx] = -1
-        self.transport.exchange([(b, self.own[idx]) for b in self.buddies
-                                 if (self.rank, b) not in skip],
+        mine = snapshot.sealed(self.own[idx])
+        self.transport.exchange([(b, mine) for b in self.buddies if (self.rank, b) not in skip],
                                 [(o, self.recv[o][idx]) for o in owners])
         clock = clock or _PhaseClock(None)
         clock.lap("exchange")

@@ -7,8 +7,10 @@ Every implementation passes the same conformance test (tests/test_transport.py).
     all_gather_int(v) -> [v of rank 0, 1, ...]         (slot sizes)
     all_gather_json(obj) -> [obj of rank 0, 1, ...]    (restore inventories)
 
-Buffers are uint8 CPU tensors; receive buffers are preallocated by the caller with the
-sender's exact size. Every call takes an optional ``timeout_s``.
+Buffers are uint8 CPU tensors; receive buffers are preallocated by the caller, at least as
+large as what the sender sends, which fills their prefix (the rest is left as it was: a
+snapshot slot says in its header how much of it counts). Every call takes an optional
+``timeout_s``.
 """
 
 from __future__ import annotations
@@ -143,10 +145,11 @@ class StoreTransport(MirrorTransport):
             self.store.set(self._key("p2p", self.rank, dst), buf.numpy().tobytes())
         for src, buf in recvs:
             data = self._get(self._key("p2p", src, self.rank), timeout_s)
-            if len(data) != buf.numel():
-                raise RuntimeError(f"store transport: expected {buf.numel()} bytes from rank "
-                                   f"{src}, got {len(data)}")
-            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            if len(data) > buf.numel():
+                raise RuntimeError(f"store transport: {len(data)} bytes from rank {src} do "
+                                   f"not fit the {buf.numel()}-byte receive buffer")
+            if data:
+                buf[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self._gather("barrier-x", "1", timeout_s)
         self._round += 1
 
