@@ -44,11 +44,12 @@ def _per_param_step(inner) -> bool:
 def shard_tensors(optimizer, placeholders: bool = False) -> List[Tuple[str, torch.Tensor]]:
     """(name, tensor) for every fp32 main param, exp_avg, exp_avg_sq and step of this rank's
     shard, in a canonical order: every main param, then every exp_avg, and so on (the
-    moments of all params can then share one flat buffer, ``mirror/flat.py``). Before the first step the optimizer state does not exist
-    yet: with ``placeholders`` the moments (and, for torch Adam, the per-parameter step) are
-    stood in for by the zeros the first step will create (lazy initialization), so the
-    snapshot layout is already the steady-state one; without, only the main params are
-    yielded. A step kept per param group is in ``group_state``."""
+    moments of all params can then share one flat buffer, ``mirror/flat.py``). Before the
+    first step the optimizer state does not exist yet: with ``placeholders`` the moments
+    (and, for torch Adam, the per-parameter step) are stood in for by the zeros the first
+    step will create (lazy initialization), so the snapshot layout is already the
+    steady-state one; without, only the main params are yielded. A step kept per param
+    group is in ``group_state``."""
     by_key = {key: [] for key in STATE_KEYS}  # grouped by key: see mirror/flat.py
     for oi, opt in enumerate(distributed_optimizers(optimizer)):
         per_param_step = _per_param_step(opt.optimizer)

@@ -75,17 +75,19 @@ def window(start: Sample, last: Sample, end: Sample) -> Optional[dict]:
     threads = end.mirror_threads_s - start.mirror_threads_s
     per_job = (threads + main_mirror) / jobs
     per_step = main_train / steps
-    parts = {f"{k}_cpu_per_job_s": ((end.parts or {}).get(k, 0.0) - v) / jobs
-             for k, v in (start.parts or {}).items()}
-    phases = {k: ((end.phases or {}).get(k, 0.0) - v) / jobs
-              for k, v in (start.phases or {}).items()}
+    parts = {f"{k}_cpu_per_job_s": v for k, v in _per_job(start.parts, end.parts, jobs).items()}
     return {"steps": steps, "jobs": jobs, **parts,
-            "mirror_thread_phase_cpu_per_job_s": phases,
+            "mirror_thread_phase_cpu_per_job_s": _per_job(start.phases, end.phases, jobs),
             "main_train_cpu_per_step_s": per_step,
             "mirror_cpu_per_job_s": per_job,
             "mirror_threads_cpu_per_job_s": threads / jobs,
             "main_mirror_cpu_per_job_s": main_mirror / jobs,
             "mirror_cpu_fraction": per_job / per_step if per_step > 0 else None}
+
+
+def _per_job(start: Optional[dict], end: Optional[dict], jobs: int) -> dict:
+    """Per key of ``start``: the seconds added by ``end``, per job."""
+    return {k: ((end or {}).get(k, 0.0) - v) / jobs for k, v in (start or {}).items()}
 
 
 EVICT_BYTES = 64 << 20  # written between cold copies: more than this machine's caches

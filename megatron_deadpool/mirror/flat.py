@@ -2,8 +2,8 @@
 snapshot is one copy per buffer instead of one per tensor.
 
     before:  exp_avg(p0) exp_avg_sq(p0) ... 140 separate allocations -> 140 copies
-    after:   [ p0.param | p0.exp_avg | p0.exp_avg_sq | p0.step | p1.param | ... ]
-             one buffer, in slot order                          -> 1 copy (d2h.plan merges)
+    after:   [ p0.exp_avg | p1.exp_avg | ... | p0.exp_avg_sq | ... | p0.step | ... ]
+             one buffer, in slot order (megatron/shard.py: grouped by key) -> 1 copy
 
 A tensor is re-homed in place (``Tensor.set_``), so every holder of the tensor object (the
 optimizer's ``state``, its ``param_groups``, megatron's shard lists) sees the new storage

@@ -46,6 +46,9 @@ class _PhaseClock:
             self.t = t
 
 
+_NO_CLOCK = _PhaseClock(None)
+
+
 class Mirror(HeldCopies):
     def __init__(self, rank: int, replicas: int, meta_capacity: int = 1 << 16,
                  use_cuda: bool = False, flat_state: bool = True):
@@ -268,7 +271,7 @@ class Mirror(HeldCopies):
         # restorable, until a newer iteration commits (see _exchange_and_commit).
 
     def _exchange_and_commit(self, iteration: int, skip=frozenset(),
-                             collective: bool = False, clock=None) -> None:
+                             collective: bool = False, clock: Optional[_PhaseClock] = None) -> None:
         """Send this rank's slot to its buddies, receive its owners' slots, verify, commit
         (implicitly later unless ``collective``: commit.py). ``skip``: (owner, holder) pairs
         whose copy of ``iteration`` is already in place. Without replicas the local copy
@@ -284,7 +287,7 @@ class Mirror(HeldCopies):
         mine = snapshot.sealed(self.own[idx])
         self.transport.exchange([(b, mine) for b in self.buddies if (self.rank, b) not in skip],
                                 [(o, self.recv[o][idx]) for o in owners])
-        clock = clock or _PhaseClock(None)
+        clock = clock or _NO_CLOCK  # recovery's exchanges are not snapshot jobs
         clock.lap("exchange")
         ok = True
         for o in owners:

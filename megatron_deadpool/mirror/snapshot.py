@@ -205,8 +205,8 @@ def sealed(slot: torch.Tensor) -> torch.Tensor:
     receiver's verify refuses it)."""
     if slot.numel() < HEADER_BYTES:
         return slot
-    arr = slot.numpy()
-    used = struct.unpack_from("<q", arr, 7 * 8)[0] + struct.unpack_from("<q", arr, 4 * 8)[0]
+    h = read_header(slot)
+    used = h["tensor_end"] + h["meta_len"]
     return slot[:used] if HEADER_BYTES <= used <= slot.numel() else slot
 
 

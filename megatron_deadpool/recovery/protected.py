@@ -54,7 +54,7 @@ class Protected:
         self._gloo_tids: set = set()
         self._cpu_start: Optional[cpu.Sample] = None
         self._cpu_last: Optional[cpu.Sample] = None
-        # progress(): when the newest snapshot began, (iteration, seconds to its commit)
+        # progress(): when the newest snapshot began (its lag ends at Mirror.last_done)
         self._t_begin = 0.0
         self._wait_mark = 0.0
 
@@ -96,7 +96,7 @@ class Protected:
             world = handle.world_size  # stable: a spare takes the dead rank's id
             periodic = lambda it: persist.periodic(  # noqa: E731
                 self.mirror, self.fallback_dir, self.fallback_every, world, it)
-        self.mirror.on_committed = lambda it: self._committed(it, periodic)
+        self.mirror.on_committed = periodic  # on the mirror thread, once per commit
         if self._transport is None:  # initialize_model_parallel did not run through us
             self.connect(plan)
         self.mirror.set_topology(self._transport, plan.node_of_rank)
@@ -129,16 +129,12 @@ class Protected:
 
         optimizer.step = step
 
-    def _committed(self, iteration: int, periodic) -> None:
-        """Mirror thread, right after snapshot ``iteration`` committed."""
-        if periodic is not None:
-            periodic(iteration)
-
     def progress(self, iteration: int) -> dict:
         """For the progress line of ``iteration``, before its snapshot begins:
         ``mirror_lag_s``, how long after the previous step's optimizer step its snapshot
-        (iteration - 1) was done: copied, sent, verified (None: none, e.g. the first step after a
-        restore), and ``mirror_wait_s``, how long this step's optimizer step waited for it."""
+        (iteration - 1) was done: copied, sent, verified (None: none, e.g. the first step
+        after a restore), and ``mirror_wait_s``, how long this step's optimizer step waited
+        for it."""
         m = self.mirror
         waited, self._wait_mark = m.wait_s - self._wait_mark, m.wait_s
         done = m.last_done  # (iteration, when its job ended), from the mirror thread
