@@ -139,11 +139,15 @@ def test_node_loss_hot_swaps_before_slurm_marks_it_down(cluster, tmp_path, refer
     node = _wait_mid_run(cluster, job, out)
     t_kill = time.time()
     killed = cluster.kill_node(job, node)
-    state, deadline = "", time.monotonic() + 300
-    while "down" not in state:  # the job ends (assert below) or Slurm notices
-        assert time.monotonic() < deadline, f"Slurm never marked {node} down"
-        state = cluster.node_state(node)
+    deadline = time.monotonic() + 300
+    while True:  # the job ends (assert below) or Slurm notices
         job_state = cluster.job(job).get("JobState")
+        # A job that ends within the same 0.25 s poll as the down mark is let through (its
+        # order is unknown); _check_job and deadpool_s < slurm_down_s below still hold it.
+        state = cluster.node_state(node)
+        if "down" in state:
+            break
+        assert time.monotonic() < deadline, f"Slurm never marked {node} down"
         assert job_state == "RUNNING", \
             f"job {job} is {job_state} before Slurm marked {node} down (node: {state!r})"
         time.sleep(0.25)
