@@ -105,7 +105,7 @@ class Deadpool:
         return Runtime(self, cfg, env, member, world,
                        Protected(cfg.replicas, (cfg.rendezvous_timeout_s, cfg.gloo_op_timeout_s),
                                  snapshot.job_id(secret), cfg.fallback_save_dir,
-                                 cfg.fallback_every))
+                                 cfg.fallback_every, cfg.mirror_transport, env.store_host))
 
     def set_rank(self, rank: int, world_size: int) -> None:
         """This process's rank in the current generation (a spare takes a dead rank's)."""

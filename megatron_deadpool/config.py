@@ -12,6 +12,7 @@ from .errors import ConfigError
 
 AUDIT_MODES = ("none", "walk", "full")
 NO_SPARE_POLICIES = ("fail", "wait")
+MIRROR_TRANSPORTS = ("socket", "gloo")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class DeadpoolConfig:
     fallback_save_dir: Optional[str] = None
     fallback_every: int = 0
     resume_dir: Optional[str] = None
+    mirror_transport: str = "socket"
 
     def __post_init__(self):
         if self.replicas < 0:
@@ -67,6 +69,9 @@ class DeadpoolConfig:
             raise ConfigError(f"--deadpool-fallback-every must be >= 0, got {self.fallback_every}")
         if self.fallback_every and not self.fallback_save_dir:
             raise ConfigError("--deadpool-fallback-every needs --deadpool-fallback-save DIR")
+        if self.mirror_transport not in MIRROR_TRANSPORTS:
+            raise ConfigError(f"--deadpool-mirror-transport must be one of {MIRROR_TRANSPORTS}, "
+                              f"got {self.mirror_transport!r}")
         if self.audit not in AUDIT_MODES:
             raise ConfigError(f"--deadpool-audit must be one of {AUDIT_MODES}, got {self.audit!r}")
 
@@ -88,6 +93,7 @@ class DeadpoolConfig:
             fallback_save_dir=getattr(args, "deadpool_fallback_save", None),
             fallback_every=getattr(args, "deadpool_fallback_every", 0),
             resume_dir=getattr(args, "deadpool_resume", None),
+            mirror_transport=getattr(args, "deadpool_mirror_transport", "socket"),
         )
 
     def to_json(self) -> dict:
@@ -216,4 +222,8 @@ def add_deadpool_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--deadpool-resume", default=None, metavar="DIR",
                    help="start from the newest iteration saved in DIR for every rank "
                    "(by --deadpool-fallback-save); bitwise the run that saved it")
+    g.add_argument("--deadpool-mirror-transport", choices=MIRROR_TRANSPORTS,
+                   default=d.mirror_transport, help="how snapshots reach the buddies: "
+                   "'socket', a TCP connection per (rank, buddy) pair, or 'gloo', the mirror's "
+                   "gloo group, which runs the collectives either way (default %(default)s)")
     return parser

@@ -15,7 +15,7 @@ LAYERS = [
     ("mechanisms", ["membership.auth", "membership.assign", "membership.plan",
                     "membership.procs", "membership.local_restart",
                     "membership.store", "mirror.placement", "mirror.snapshot",
-                    "mirror.transport", "mirror.threads", "mirror.d2h", "mirror.cpu", "mirror.flat",
+                    "mirror.transport", "mirror.socket_transport", "mirror.threads", "mirror.d2h", "mirror.cpu", "mirror.flat",
                     "mirror.commit", "mirror.held",
                     "mirror.mirror", "mirror.persist", "megatron.support", "megatron.shard",
                     "megatron.train_state", "megatron.cpu_mode", "megatron.lm_rules",

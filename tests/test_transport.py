@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from megatron_deadpool.mirror.socket_transport import SocketTransport
 from megatron_deadpool.mirror.transport import GlooTransport, StoreTransport
 from megatron_deadpool.recovery.classify import is_comm_failure
 
@@ -53,14 +54,21 @@ def _peer_death(t, rank, store):
         time.sleep(0.01)
     if rank == WORLD - 1:
         return  # gone: its process exits without joining the next call
-    t0 = time.monotonic()
-    try:
-        t.all_ok(True, timeout_s=2.0)
-    except Exception as exc:  # noqa: BLE001 - checked right below
-        assert is_comm_failure(exc), f"{type(exc).__name__}: {exc}"
-    else:
-        raise AssertionError("all_ok returned although a member never called it")
-    assert time.monotonic() - t0 < 15
+    gone = WORLD - 1
+    calls = {"all_ok": lambda: t.all_ok(True, timeout_s=2.0),
+             # a send to the peer that left and a receive from it, in one call
+             "exchange": lambda: t.exchange([(gone, torch.ones(1 << 20, dtype=torch.uint8))],
+                                            [(gone, torch.empty(1 << 20, dtype=torch.uint8))],
+                                            timeout_s=2.0)}
+    for name, call in calls.items():
+        t0 = time.monotonic()
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - checked right below
+            assert is_comm_failure(exc), f"{name}: {type(exc).__name__}: {exc}"
+        else:
+            raise AssertionError(f"{name} returned although a member never called it")
+        assert time.monotonic() - t0 < 15, name
 
 
 def _worker(rank, kind, port, errq):
@@ -71,6 +79,11 @@ def _worker(rank, kind, port, errq):
             torch.distributed.init_process_group("gloo", store=store, rank=rank,
                                                  world_size=WORLD)
             t = GlooTransport(timeout_s=60)
+        elif kind == "socket":
+            torch.distributed.init_process_group("gloo", store=store, rank=rank,
+                                                 world_size=WORLD)
+            t = SocketTransport(torch.distributed.PrefixStore("t/", store), rank, WORLD,
+                                GlooTransport(timeout_s=60), "127.0.0.1", timeout_s=60)
         else:
             t = StoreTransport(store, rank, WORLD, tag="t", timeout_s=60)
         _conformance(t, rank)
@@ -80,7 +93,7 @@ def _worker(rank, kind, port, errq):
         errq.put(traceback.format_exc())
 
 
-@pytest.mark.parametrize("kind", ["gloo", "store"])
+@pytest.mark.parametrize("kind", ["gloo", "store", "socket"])
 def test_transport_conformance(kind):
     ctx = mp.get_context("spawn")
     errq = ctx.Queue()
@@ -92,3 +105,59 @@ def test_transport_conformance(kind):
     for p in procs:
         p.join(timeout=30)
     assert errors == [None] * WORLD, "\n".join(e for e in errors if e)
+
+
+def _pair():
+    store = torch.distributed.HashStore()
+    return [SocketTransport(store, r, 2, None, "127.0.0.1", timeout_s=60) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("connected", [False, True])
+def test_socket_abort_wakes_a_blocked_exchange(connected):
+    """``abort()`` from another thread ends an exchange blocked on a peer that never sends,
+    whether it waits for the peer's connection or for its bytes."""
+    import threading
+
+    t0, t1 = _pair()
+    if connected:  # one message first: the connection 1 -> 0 exists
+        buf = torch.empty(8, dtype=torch.uint8)
+        th = threading.Thread(target=t1.exchange, args=([(0, torch.ones(8, dtype=torch.uint8))],
+                                                          []))
+        th.start()
+        t0.exchange([], [(1, buf)])
+        th.join()
+        assert torch.all(buf == 1)
+    out = {}
+
+    def blocked():
+        try:
+            t0.exchange([], [(1, torch.empty(1 << 16, dtype=torch.uint8))])
+        except Exception as exc:  # noqa: BLE001 - checked below
+            out["exc"] = exc
+
+    th = threading.Thread(target=blocked)
+    th.start()
+    time.sleep(0.3)
+    assert th.is_alive()  # still waiting: nothing was sent
+    t0.abort()
+    th.join(10)
+    assert not th.is_alive(), "abort() did not wake the exchange"
+    assert is_comm_failure(out["exc"]), repr(out["exc"])
+    for t in (t0, t1):
+        assert t.release() is None
+
+
+def test_socket_refuses_a_message_larger_than_the_receive_buffer():
+    import threading
+
+    from megatron_deadpool.mirror.socket_transport import PeerLost
+
+    t0, t1 = _pair()
+    th = threading.Thread(target=lambda: t1.exchange(
+        [(0, torch.ones(64, dtype=torch.uint8))], [], timeout_s=5))
+    th.start()
+    with pytest.raises(PeerLost, match="do not fit the 32-byte receive buffer"):
+        t0.exchange([], [(1, torch.empty(32, dtype=torch.uint8))], timeout_s=5)
+    th.join()
+    for t in (t0, t1):
+        t.release()

@@ -51,6 +51,16 @@ class MirrorTransport(abc.ABC):
     def all_gather_json(self, obj, timeout_s: Optional[float] = None) -> List:
         """Every member's JSON-serializable object, in rank order."""
 
+    # Lifecycle. The generation's abort (recovery/abort.py) already shuts down every TCP
+    # connection of the process; ``abort`` wakes whatever that does not reach.
+    def abort(self) -> None:
+        """Make a call blocked in this transport end now, with an error (any thread)."""
+
+    def release(self):
+        """The generation is over: close what closes fast, and return what must die off the
+        critical path (a gloo group: reaper.py), or None."""
+        return self
+
 
 class GlooTransport(MirrorTransport):
     """Default: a dedicated gloo group over CPU tensors, so mirror traffic never queues behind

@@ -20,6 +20,7 @@ from ..megatron.support import check_supported, step_barrier
 from ..mirror import cpu, persist, snapshot
 from ..mirror.mirror import Mirror
 from ..mirror.threads import lower_thread_priority, started_threads, thread_names
+from ..mirror.socket_transport import SocketTransport, local_address
 from ..mirror.transport import GlooTransport
 from . import restore
 from .quiet import CollectiveSuppressor
@@ -32,9 +33,13 @@ REAPER_WAIT_S = 30.0  # for the old groups to die (the heap audit, the exit)
 
 class Protected:
     def __init__(self, replicas: int, mirror_timeouts_s: tuple, job_id: int = 0,
-                 fallback_dir: Optional[str] = None, fallback_every: int = 0):
+                 fallback_dir: Optional[str] = None, fallback_every: int = 0,
+                 mirror_transport: str = "socket", store_host: str = "127.0.0.1"):
         # (the mirror group's creation, each of its operations): see GlooTransport
         self.replicas, self.mirror_timeouts_s = replicas, mirror_timeouts_s
+        # "socket": the exchange on connections of its own, on the interface that reaches
+        # the store (socket_transport.py); "gloo": on the mirror's gloo group
+        self.mirror_transport, self._store_host = mirror_transport, store_host
         self.fallback_dir, self.fallback_every = fallback_dir, fallback_every
         self.job_id = job_id  # snapshot.job_id(secret): copies of another job are refused
         self.model = self.optimizer = self.scheduler = self.train_state = None
@@ -110,6 +115,12 @@ class Protected:
         before = thread_names()
         create_s, op_s = self.mirror_timeouts_s
         self._transport = GlooTransport(timeout_s=op_s, create_timeout_s=create_s)
+        if self.mirror_transport == "socket" and self.replicas:
+            from torch.distributed import distributed_c10d as c10d
+
+            self._transport = SocketTransport(  # this generation's store (world.py)
+                c10d._get_default_store(), self._transport.rank, self._transport.world_size,
+                self._transport, local_address(self._store_host), timeout_s=op_s)
         # the mirror group's I/O thread and workers (training groups' threads existed before)
         self._gloo_tids = started_threads(before, names)
         for tid in self._gloo_tids:
@@ -191,6 +202,8 @@ class Protected:
 
     # ---------------------------------------------------------------- recovery
     def quiesce(self, timeout_s: float) -> None:
+        if self._transport is not None:
+            self._transport.abort()  # wakes a mirror thread blocked on a dead peer
         if not self.mirror.quiesce(timeout_s):
             raise DeadpoolError("the mirror thread did not stop after the abort")
         self._old_transport, self._transport = self._transport, None
@@ -200,7 +213,8 @@ class Protected:
         """Once the world is destroyed: the old groups that the model, the optimizer and the
         mirror still hold die on the reaper thread, not in the next ``rebind`` (reaper.py)."""
         old = self.slots.release() if self.slots is not None else []
-        old.append(self._old_transport)
+        if self._old_transport is not None:
+            old.append(self._old_transport.release())  # its gloo group dies on the reaper
         self._old_transport = None
         self.reaper.drop(old)
 

@@ -1,0 +1,249 @@
+"""The mirror's point-to-point exchange over plain TCP connections, moved by the mirror
+thread itself; the collectives (commit, sizes, inventories) stay on a gloo group.
+
+Why: a snapshot job sends one message to each buddy and receives one from each owner. Over
+gloo each message costs a ``Work`` object, Python dispatch, and wake-ups and reads on the
+group's I/O thread; here one selector loop on the calling thread writes and reads the
+bytes straight from and into the slots (``docs/benchmarks.md`` has the CPU before/after).
+
+    rank r                                     buddy b
+    listener (gen-scoped, address in store) <─ connect on first send, hello = (magic, r)
+    send:  [u64 length][bytes of the slot]  ─► recv_into(the receive slot), length checked
+
+One connection per (sender, receiver) pair, made on first use, lives for the generation
+(a new generation makes a new transport; the old one is closed with its gloo group). The
+recovery's abort shuts every connection of the process down (``recovery/abort.py``), which
+wakes a loop blocked here at once; a peer that just vanishes ends the call at its deadline.
+"""
+
+from __future__ import annotations
+
+import selectors
+import socket
+import struct
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import MirrorError, TransportTimeout
+from .transport import MirrorTransport
+
+HELLO = struct.Struct("<QQ")  # magic, sender rank
+HELLO_MAGIC = 0x44504F4F4C534B31  # "DPOOLSK1"
+LENGTH = struct.Struct("<Q")
+KEY = "deadpool-mirror-socket/"
+
+
+class PeerLost(MirrorError):
+    """A mirror connection closed or failed mid-exchange (a peer process is gone)."""
+
+
+def local_address(toward: str) -> str:
+    """This host's address on the route to ``toward`` (the store's host): the interface the
+    other nodes reach it by. No packet is sent (a UDP connect only picks the route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((toward, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+class SocketTransport(MirrorTransport):
+    def __init__(self, store, rank: int, world_size: int, collectives: MirrorTransport,
+                 host: str, timeout_s: float = 600.0):
+        """``store``: this generation's (every member publishes its listener there);
+        ``collectives``: the transport ``all_ok`` / ``all_gather_*`` go to."""
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.collectives, self.timeout_s = collectives, timeout_s
+        self._listener = socket.create_server((host, 0), backlog=max(16, world_size))
+        self._listener.setblocking(False)
+        self.store.set(f"{KEY}{rank}", f"{host}:{self._listener.getsockname()[1]}")
+        self._out: Dict[int, socket.socket] = {}
+        self._in: Dict[int, socket.socket] = {}
+        self._sel = selectors.DefaultSelector()
+
+    # ------------------------------------------------------------------ connections
+    def _remaining(self, deadline: float, what: str) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransportTimeout(f"mirror {what}: no answer in {self._limit:g}s")
+        return left
+
+    def _out_conn(self, dst: int, deadline: float) -> socket.socket:
+        s = self._out.get(dst)
+        if s is not None:
+            return s
+        key = f"{KEY}{dst}"
+        try:
+            self.store.wait([key], _td(self._remaining(deadline, "connect")))
+        except Exception as exc:  # noqa: BLE001 - the store's timeout error type varies
+            raise TransportTimeout(f"mirror connect: rank {dst} published no address in "
+                                   f"{self._limit:g}s") from exc
+        host, port = self.store.get(key).decode().rsplit(":", 1)
+        try:
+            s = socket.create_connection((host, int(port)),
+                                         timeout=self._remaining(deadline, "connect"))
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.sendall(HELLO.pack(HELLO_MAGIC, self.rank))
+        except OSError as exc:
+            raise PeerLost(f"mirror connect to rank {dst} at {host}:{port}: {exc}") from exc
+        s.setblocking(False)
+        self._out[dst] = s
+        return s
+
+    def _in_conn(self, src: int, deadline: float) -> socket.socket:
+        while src not in self._in:
+            self._sel.register(self._listener, selectors.EVENT_READ)
+            try:
+                ready = self._sel.select(self._remaining(deadline, "accept"))
+            finally:
+                self._sel.unregister(self._listener)
+            if not ready:
+                continue
+            try:
+                s, _ = self._listener.accept()
+            except BlockingIOError:
+                continue
+            except OSError as exc:  # shut down by abort()
+                raise PeerLost(f"mirror accept: {exc} (transport aborted)") from exc
+            s.settimeout(self._remaining(deadline, "accept"))
+            try:
+                magic, peer = HELLO.unpack(_read_exact(s, HELLO.size))
+            except OSError:
+                s.close()  # not a peer of ours (or it died while connecting)
+                continue
+            if magic != HELLO_MAGIC or not 0 <= peer < self.world_size:
+                s.close()
+                continue
+            s.setblocking(False)
+            old = self._in.pop(peer, None)
+            if old is not None:
+                old.close()
+            self._in[peer] = s
+        return self._in[src]
+
+    # ------------------------------------------------------------------ the exchange
+    def exchange(self, sends, recvs, timeout_s=None) -> None:
+        self._limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + self._limit
+        out = [_Send(self._out_conn(dst, deadline), buf) for dst, buf in sends]
+        into = [_Recv(self._in_conn(src, deadline), buf, src) for src, buf in recvs]
+        pending = [op for op in (*out, *into) if not op.step()]  # most finish right here
+        if not pending:
+            return
+        for op in pending:
+            self._sel.register(op.sock, op.event, op)
+        try:
+            while pending:
+                for key, _ in self._sel.select(self._remaining(deadline, "exchange")):
+                    op = key.data
+                    if op.step():
+                        self._sel.unregister(op.sock)
+                        pending.remove(op)
+        finally:
+            for op in pending:
+                self._sel.unregister(op.sock)
+
+    # ------------------------------------------------------------------ collectives
+    def all_ok(self, ok: bool, timeout_s=None) -> bool:
+        return self.collectives.all_ok(ok, timeout_s)
+
+    def all_gather_int(self, value: int, timeout_s=None) -> List[int]:
+        return self.collectives.all_gather_int(value, timeout_s)
+
+    def all_gather_json(self, obj, timeout_s=None) -> List:
+        return self.collectives.all_gather_json(obj, timeout_s)
+
+    def abort(self) -> None:
+        for s in (*list(self._out.values()), *list(self._in.values()), self._listener):
+            try:
+                s.shutdown(socket.SHUT_RDWR)  # wakes a select on it (a listener's too)
+            except OSError:
+                pass
+
+    def release(self):
+        for s in (*self._out.values(), *self._in.values(), self._listener):
+            s.close()
+        self._out.clear()
+        self._in.clear()
+        self._sel.close()
+        return self.collectives.release() if self.collectives is not None else None
+
+
+class _Send:
+    event = selectors.EVENT_WRITE
+
+    def __init__(self, sock: socket.socket, buf: torch.Tensor):
+        self.sock = sock
+        payload = memoryview(buf.numpy()).cast("B")
+        self.parts = [memoryview(LENGTH.pack(len(payload)))] + ([payload] if len(payload) else [])
+
+    def step(self) -> bool:
+        """Write what the socket takes now; True when everything is written."""
+        try:
+            while self.parts:
+                n = self.sock.sendmsg(self.parts)
+                while n and self.parts:
+                    k = min(n, len(self.parts[0]))
+                    n -= k
+                    self.parts[0] = self.parts[0][k:]
+                    if not len(self.parts[0]):
+                        self.parts.pop(0)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            raise PeerLost(f"mirror send: {exc}") from exc
+        return True
+
+
+class _Recv:
+    event = selectors.EVENT_READ
+
+    def __init__(self, sock: socket.socket, buf: torch.Tensor, src: int):
+        self.sock, self.src = sock, src
+        self.buf = memoryview(buf.numpy()).cast("B")
+        self.head = bytearray(LENGTH.size)
+        self.view = memoryview(self.head)  # the length first, then the payload's prefix
+        self.in_payload = False
+
+    def step(self) -> bool:
+        """Read what has arrived; True when the whole message is in."""
+        try:
+            while True:
+                if not len(self.view):
+                    if self.in_payload:
+                        return True
+                    (n,) = LENGTH.unpack(self.head)
+                    if n > len(self.buf):
+                        raise PeerLost(f"mirror receive: {n} bytes from rank {self.src} do "
+                                       f"not fit the {len(self.buf)}-byte receive buffer")
+                    self.view, self.in_payload = self.buf[:n], True
+                    continue
+                got = self.sock.recv_into(self.view)
+                if got == 0:
+                    raise PeerLost(f"mirror receive: rank {self.src} closed the connection")
+                self.view = self.view[got:]
+        except (BlockingIOError, InterruptedError):
+            return False
+        except PeerLost:
+            raise
+        except OSError as exc:
+            raise PeerLost(f"mirror receive from rank {self.src}: {exc}") from exc
+
+
+def _read_exact(s: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed during the hello")
+        data += chunk
+    return bytes(data)
+
+
+def _td(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
