@@ -161,3 +161,17 @@ def test_socket_refuses_a_message_larger_than_the_receive_buffer():
     th.join()
     for t in (t0, t1):
         t.release()
+
+
+def test_socket_listener_address_is_the_interface_the_other_nodes_reach():
+    from megatron_deadpool.mirror.socket_transport import local_address
+
+    routes = {"10.1.2.3": "10.1.0.7", "node001": "127.0.1.1", "10.255.255.255": "10.1.0.7",
+              "127.0.0.1": "127.0.0.1"}
+    route = routes.get
+    assert local_address("10.1.2.3", route, {}) == "10.1.0.7"
+    # the store named by a hostname that this host maps to a loopback alias
+    assert local_address("node001", route, {}) == "10.1.0.7"
+    assert local_address("127.0.0.1", route, {}) == "127.0.0.1"  # a one-host job
+    assert local_address("node001", route, {"DEADPOOL_MIRROR_ADDR": "10.9.9.9"}) == "10.9.9.9"
+    assert local_address("nowhere", lambda _: None, {}) == "127.0.0.1"

@@ -18,6 +18,8 @@ wakes a loop blocked here at once; a peer that just vanishes ends the call at it
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import selectors
 import socket
 import struct
@@ -39,15 +41,37 @@ class PeerLost(MirrorError):
     """A mirror connection closed or failed mid-exchange (a peer process is gone)."""
 
 
-def local_address(toward: str) -> str:
-    """This host's address on the route to ``toward`` (the store's host): the interface the
-    other nodes reach it by. No packet is sent (a UDP connect only picks the route)."""
+def _route_source(toward: str) -> Optional[str]:
+    """The local address the kernel would send from to reach ``toward`` (a UDP connect only
+    picks the route: no packet is sent); None without a route."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((toward, 9))
             return s.getsockname()[0]
         except OSError:
-            return "127.0.0.1"
+            return None
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
+
+
+def local_address(toward: str, route=_route_source, environ=os.environ) -> str:
+    """The address this process's mirror listener is published under: ``DEADPOOL_MIRROR_ADDR``
+    if set, else this host's address on the route to ``toward`` (the store's host), the
+    interface the other nodes reach it by. When ``toward`` is a name that this host resolves
+    to a loopback alias (Debian's 127.0.1.1 for its own hostname) while the other nodes do
+    not, the default route's address is taken instead; loopback only when the store itself
+    is named as loopback (every process on this host)."""
+    if environ.get("DEADPOOL_MIRROR_ADDR"):
+        return environ["DEADPOOL_MIRROR_ADDR"]
+    addr = route(toward)
+    if addr is None or (_is_loopback(addr) and not _is_loopback(toward)):
+        addr = route("10.255.255.255") or addr  # any non-local address: the default route
+    return addr or "127.0.0.1"
 
 
 class SocketTransport(MirrorTransport):
