@@ -6,11 +6,12 @@ gloo each message costs a ``Work`` object, Python dispatch, and wake-ups and rea
 group's I/O thread; here one selector loop on the calling thread writes and reads the
 bytes straight from and into the slots (``docs/benchmarks.md`` has the CPU before/after).
 
-    rank r                                     buddy b
-    listener (gen-scoped, address in store) <─ connect on first send, hello = (magic, r)
-    send:  [u64 length][bytes of the slot]  ─► recv_into(the receive slot), length checked
+    sender r                                  receiver b (a buddy of r)
+    connect on first send, hello (magic, r) ─► listener (address in the generation's store)
+    [u64 length][the sealed slot]           ─► recv_into(b's receive slot for r), checked
 
-One connection per (sender, receiver) pair, made on first use, lives for the generation
+``timeout_s`` bounds the time in which no byte moves (a multi-GB slot may take longer in
+all). One connection per (sender, receiver) pair, made on first use, lives for the generation
 (a new generation makes a new transport; the old one is closed with its gloo group). The
 recovery's abort shuts every connection of the process down (``recovery/abort.py``), which
 wakes a loop blocked here at once; a peer that just vanishes ends the call at its deadline.
@@ -161,7 +162,10 @@ class SocketTransport(MirrorTransport):
             self._sel.register(op.sock, op.event, op)
         try:
             while pending:
-                for key, _ in self._sel.select(self._remaining(deadline, "exchange")):
+                ready = self._sel.select(self._remaining(deadline, "exchange"))
+                if ready:  # the bound is on silence: a large slot may take longer in all
+                    deadline = time.monotonic() + self._limit
+                for key, _ in ready:
                     op = key.data
                     if op.step():
                         self._sel.unregister(op.sock)
