@@ -103,31 +103,3 @@ def test_only_the_sealed_prefix_travels_and_verifies_in_a_used_buffer():
     assert snapshot.sealed(blank).numel() == blank.numel()
     with pytest.raises(MirrorCorruptError):
         snapshot.verify(blank, 3, 7, layout)
-
-
-@pytest.mark.parametrize("chunk", [256, 1 << 20])
-def test_checksum_streamed_during_a_pieced_copy_equals_the_one_after_it(monkeypatch, chunk):
-    """The copy in pieces with the checksum after each (TensorAreaCrc) seals the same slot
-    as a copy followed by the checksum: runs with a gap, pieces and checksum chunks that do
-    not line up, and a tensor area of one chunk and of many."""
-    from megatron_deadpool.mirror import d2h
-
-    monkeypatch.setattr(snapshot, "CRC_CHUNK", chunk)
-    monkeypatch.setattr(d2h, "PIECE", 96)
-    base = torch.arange(700, dtype=torch.float32)
-    named = [("a", base[:300]), ("b", base[310:600]),  # one run: the 40-byte gap is kept
-             ("c", torch.arange(50, dtype=torch.float64)), ("d", torch.ones(7, 3).t())]
-    tensors = [t for _, t in named]
-    layout = snapshot.Layout(named, 1 << 10)
-    runs = d2h.plan(layout, tensors)
-    assert len(runs) == 3  # a+b, c, and d (non-contiguous)
-    slots = [snapshot.alloc_slot(layout.total_bytes, pin=False) for _ in range(2)]
-    d2h.Copier().copy(slots[0], runs)
-    snapshot.seal(slots[0], layout, 2, 9, {"iteration": 9})
-    crc = snapshot.TensorAreaCrc(slots[1], layout.tensor_end)
-    fed = []
-    d2h.Copier().copy(slots[1], runs, after_piece=lambda end: (fed.append(end), crc.feed(end)))
-    snapshot.seal(slots[1], layout, 2, 9, {"iteration": 9}, tensor_crcs=crc.value())
-    assert torch.equal(slots[0], slots[1])
-    assert len(fed) > len(runs) and fed == sorted(fed)  # pieces, in slot order
-    snapshot.verify(slots[1], 2, 9, layout)

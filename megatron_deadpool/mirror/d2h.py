@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -75,9 +75,6 @@ def _flush(runs: List[Run], cur) -> None:
     runs.append(Run(offset, nbytes, src))
 
 
-PIECE = 128 << 10  # host copies in pieces this large when the checksum follows each one
-
-
 class Copier:
     """Runs the copies of one slot. On the host: one ``torch.cat`` into the slot's packed
     tensor area (``torch._foreach_copy_`` over cached views if the runs are not back to
@@ -118,14 +115,8 @@ class Copier:
         dst, src, flatten = self._views[key]
         return dst, ([r.source() for r in runs] if flatten else src)
 
-    def copy(self, slot: torch.Tensor, runs: Sequence[Run], step_done=None,
-             after_piece: Optional[Callable[[int], None]] = None) -> None:
-        """``after_piece(end)`` (host only): called after each piece of at most PIECE bytes
-        is in the slot, ``end`` its slot offset (the checksum reads it while in cache); its
-        own time is not counted as copy time."""
-        if self.stream is None and after_piece is not None:
-            self._keep(self._copy_pieces(slot, runs, after_piece))
-        elif self.stream is None:
+    def copy(self, slot: torch.Tensor, runs: Sequence[Run], step_done=None) -> None:
+        if self.stream is None:
             dst, src = self._pairs(slot, runs)
             t0 = time.thread_time()
             if len(dst) == 1 and len(src) > 1:
@@ -149,26 +140,6 @@ class Copier:
         if self._total[0] is not runs:
             self._total = (runs, sum(r.nbytes for r in runs))
         self.bytes += self._total[1]
-
-    def _copy_pieces(self, slot: torch.Tensor, runs: Sequence[Run], after_piece) -> float:
-        key = (slot.data_ptr(), id(runs), "pieces")
-        if key not in self._views:
-            if len(self._views) > 8:
-                self._views.clear()
-            self._views[key] = [
-                (slot[r.offset + a:r.offset + min(a + PIECE, r.nbytes)],
-                 r.src[a:min(a + PIECE, r.nbytes)], r.offset + min(a + PIECE, r.nbytes))
-                for r in runs if r.src is not None for a in range(0, r.nbytes, PIECE)]
-        flat = [(slot[r.offset:r.offset + r.nbytes], r.source(), r.offset + r.nbytes)
-                for r in runs if r.src is None]  # non-contiguous: flattened now, in one piece
-        spent = 0.0
-        for dst, src, end in sorted(self._views[key] + flat, key=lambda p: p[2]) if flat \
-                else self._views[key]:
-            t0 = time.thread_time()
-            dst.copy_(src)
-            spent += time.thread_time() - t0
-            after_piece(end)
-        return spent
 
     def _keep(self, dt: float) -> None:
         if len(self.copy_times) >= self.KEEP_TIMES:

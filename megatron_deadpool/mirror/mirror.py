@@ -238,12 +238,9 @@ class Mirror(HeldCopies):
                     self.on_committed(done)
         idx = iteration % 2
         slot = self.own[idx]
-        crc = (snapshot.TensorAreaCrc(slot, self.layout.tensor_end)
-               if not self.pin and snapshot.streams_its_crc(self.layout) else None)
-        self.copier.copy(slot, self._runs, event, crc.feed if crc else None)
+        self.copier.copy(slot, self._runs, event)
         clock.lap("copy")
-        snapshot.seal(slot, self.layout, self.rank, iteration, meta, self.job,
-                      crc.value() if crc else None)
+        snapshot.seal(slot, self.layout, self.rank, iteration, meta, self.job)
         clock.lap("seal")
         self.own_iter[idx] = iteration
         self._maybe_fault(iteration)

@@ -173,58 +173,20 @@ def _chunk_crcs(mv: memoryview) -> bytes:
     return struct.pack(f"<{len(crcs)}I", *crcs)
 
 
-class TensorAreaCrc:
-    """What ``_chunk_crcs`` computes over a slot's tensor area, fed in slot order while the
-    slot is being filled (``d2h.Copier``'s ``after_piece``): each piece is checksummed right
-    after it was written, while it is still in cache, instead of read back from memory by
-    ``seal``. Bytes the copies skip (gaps between runs) are checksummed as they are."""
-
-    def __init__(self, slot: torch.Tensor, tensor_end: int):
-        self.mv, self.end = memoryview(slot.numpy()), tensor_end
-        self.pos, self.cur, self.crcs = HEADER_BYTES, 0, []
-
-    def feed(self, upto: int) -> None:
-        """Checksum the tensor area up to slot offset ``upto`` (written by now)."""
-        upto = min(upto, self.end)
-        while self.pos < upto:
-            chunk_end = HEADER_BYTES + ((self.pos - HEADER_BYTES) // CRC_CHUNK + 1) * CRC_CHUNK
-            stop = min(upto, chunk_end)
-            self.cur = crc32c(self.mv[self.pos:stop], self.cur)
-            self.pos = stop
-            if stop == chunk_end:
-                self.crcs.append(self.cur)
-                self.cur = 0
-
-    def value(self) -> bytes:
-        self.feed(self.end)
-        tail = [self.cur] if (self.pos - HEADER_BYTES) % CRC_CHUNK else []
-        crcs = self.crcs + tail
-        return struct.pack(f"<{len(crcs)}I", *crcs)
-
-
-def streams_its_crc(layout: Layout) -> bool:
-    """A tensor area of one checksum chunk is checksummed during the copy (TensorAreaCrc);
-    a larger one after it, on the checksum pool."""
-    return layout.tensor_end - HEADER_BYTES <= CRC_CHUNK
-
-
 def checksum(buf: torch.Tensor) -> int:
     """The tensor area's checksum, for a whole uint8 host buffer (measurements)."""
     return crc32c(_chunk_crcs(memoryview(buf.numpy())))
 
 
-def _crc(slot: torch.Tensor, tensor_end: int, meta_len: int,
-         tensor_crcs: "bytes | None" = None) -> int:
+def _crc(slot: torch.Tensor, tensor_end: int, meta_len: int) -> int:
     mv = memoryview(slot.numpy())
-    if tensor_crcs is None:
-        tensor_crcs = _chunk_crcs(mv[HEADER_BYTES:tensor_end])
-    return crc32c(mv[tensor_end:tensor_end + meta_len], crc32c(tensor_crcs))
+    crc = crc32c(_chunk_crcs(mv[HEADER_BYTES:tensor_end]))
+    return crc32c(mv[tensor_end:tensor_end + meta_len], crc)
 
 
 def seal(slot: torch.Tensor, layout: Layout, owner: int, iteration: int, meta: dict,
-         job: int = 0, tensor_crcs: "bytes | None" = None) -> None:
-    """Write the metadata blob, checksum and header (host side, after the tensor copy).
-    ``tensor_crcs``: the tensor area's, computed during the copy (TensorAreaCrc)."""
+         job: int = 0) -> None:
+    """Write the metadata blob, checksum and header (host side, after the tensor copy)."""
     blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
     if len(blob) > layout.meta_capacity:
         raise MirrorCorruptError(f"snapshot metadata is {len(blob)} bytes, capacity "
@@ -232,7 +194,7 @@ def seal(slot: torch.Tensor, layout: Layout, owner: int, iteration: int, meta: d
     arr = slot.numpy()
     arr[layout.tensor_end:layout.tensor_end + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
     struct.pack_into("<9q", arr, 0, MAGIC, owner, iteration, layout.tensor_bytes, len(blob),
-                     _crc(slot, layout.tensor_end, len(blob), tensor_crcs), layout.layout_id,
+                     _crc(slot, layout.tensor_end, len(blob)), layout.layout_id,
                      layout.tensor_end, job)
 
 
