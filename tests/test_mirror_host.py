@@ -171,3 +171,64 @@ def test_a_buddy_gets_the_sealed_bytes_only():
         assert not got[t.sent[0]:].any()
     finally:
         m.close()
+
+
+class _Pair:
+    """Two in-process mirrors, each the other's buddy: an exchange deposits what it sends
+    and waits for the other side's."""
+
+    def __init__(self):
+        self.box, self.barrier = {}, threading.Barrier(2, timeout=10)
+
+    def end(self, rank):
+        pair = self
+
+        class End:
+            world_size = 2
+
+            def all_gather_int(self, v, timeout_s=None):
+                return [v, v]
+
+            def exchange(self, sends, recvs, timeout_s=None):
+                pair.box[rank] = [src.clone() for _, src in sends]
+                pair.barrier.wait()
+                for (src_rank, dst), got in zip(recvs, pair.box[1 - rank]):
+                    dst[:got.numel()].copy_(got)
+                pair.barrier.wait()
+
+            def all_ok(self, ok, timeout_s=None):
+                return ok
+
+        return End()
+
+
+def test_a_held_copy_is_checksummed_when_needed_and_a_damaged_one_left_out():
+    """Receipt checks the header only; the inventory (the restore decision) checks each
+    held copy's checksum once, and leaves out one damaged after it arrived."""
+    pair = _Pair()
+    ms = [Mirror(r, replicas=1, meta_capacity=1 << 12) for r in (0, 1)]
+    try:
+        for r, m in enumerate(ms):
+            m.set_sources(_named)
+            m.transport, m.buddies, m.holds, m._sizes = pair.end(r), [1 - r], [1 - r], None
+        for it in (1, 2):
+            for m in ms:
+                m.begin(it, {"iteration": it})
+            for m in ms:
+                m.wait()
+        assert ms[0].crc_checked == set()  # nothing checksummed on the per-step path
+        assert ms[0].inventory()["copies"] == {"1": [1, 2]}
+        assert ms[0].crc_checked == {(1, 0), (1, 1)}
+        slot = ms[1].recv[0][0]  # rank 1's copy of rank 0's iteration 2
+        slot[ms[1].layout.entries[1].offset + 3] ^= 0x10  # damaged in memory after arrival
+        assert ms[1].inventory()["copies"] == {"0": [1]}
+        assert ms[1].holds_copy(0, 1) and not ms[1].holds_copy(0, 2)
+        ms[0].begin(3, {"iteration": 3})  # a new arrival is checked again
+        ms[1].begin(3, {"iteration": 3})
+        for m in ms:
+            m.wait()
+        assert (1, 1) not in ms[0].crc_checked
+        assert ms[1].inventory()["copies"] == {"0": [3]}  # 2 stays dropped
+    finally:
+        for m in ms:
+            m.close()

@@ -5,10 +5,13 @@ reads: ``own``/``own_iter``, ``recv``/``recv_iter``, ``commits``, ``transport``.
 
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence
 
-from ..errors import MirrorError
+from ..errors import MirrorCorruptError, MirrorError
 from . import snapshot
+
+log = logging.getLogger(__name__)
 
 
 class HeldCopies:
@@ -30,10 +33,29 @@ class HeldCopies:
         return meta
 
     def inventory(self) -> dict:
-        """What this rank holds, for the restore decision (recovery/restore.py)."""
+        """What this rank holds, for the restore decision (recovery/restore.py): only
+        copies whose checksum holds."""
+        self._check_held()
         return {"own": sorted(i for i in self.own_iter if i >= 0), "committed": self.committed,
                 "copies": {str(o): sorted(i for i in its if i >= 0)
                            for o, its in self.recv_iter.items() if any(i >= 0 for i in its)}}
+
+    def _check_held(self) -> None:
+        """Each held copy's checksum, once per copy received. A copy is checked by its
+        header when it arrives (mirror.py: every step, per holder, the checksum would read
+        the whole slot again) and by its checksum when it is first needed, here: one damaged
+        in transit or in memory since is dropped, and the restore decision picks an
+        iteration that every rank holds intact."""
+        for o, its in self.recv_iter.items():
+            for idx, it in enumerate(its):
+                if it < 0 or (o, idx) in self.crc_checked:
+                    continue
+                try:
+                    snapshot.verify(self.recv[o][idx], o, it, job=self.job, load_meta=False)
+                    self.crc_checked.add((o, idx))
+                except MirrorCorruptError as exc:
+                    log.warning("held copy dropped: %s", exc)
+                    its[idx] = -1
 
     def transfer_for_restore(self, iteration: int, serve: Sequence[int], receive_from: Optional[int]
                              ) -> None:

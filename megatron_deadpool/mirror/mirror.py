@@ -72,6 +72,7 @@ class Mirror(HeldCopies):
         self.own_iter = [-1, -1]
         self.recv: Dict[int, List[torch.Tensor]] = {}
         self.recv_iter: Dict[int, List[int]] = {}
+        self.crc_checked: set = set()  # (owner, slot index) whose checksum held (held.py)
         self.last_done: Optional[Tuple[int, float]] = None  # (iteration, perf_counter)
         self.waits = 0
         self.wait_s = 0.0
@@ -284,16 +285,17 @@ class Mirror(HeldCopies):
         owners = [o for o in self.holds if (o, self.rank) not in skip]
         for o in owners:
             self.recv_iter[o][idx] = -1
+            self.crc_checked.discard((o, idx))
         mine = snapshot.sealed(self.own[idx])
         self.transport.exchange([(b, mine) for b in self.buddies if (self.rank, b) not in skip],
                                 [(o, self.recv[o][idx]) for o in owners])
         clock = clock or _NO_CLOCK  # recovery's exchanges are not snapshot jobs
         clock.lap("exchange")
         ok = True
-        for o in owners:
+        for o in owners:  # the header here; the checksum once the copy is needed (held.py)
             try:
                 snapshot.verify(self.recv[o][idx], o, iteration, job=self.job,
-                                load_meta=False)
+                                load_meta=False, checksum=False)
                 self.recv_iter[o][idx] = iteration
             except MirrorCorruptError:
                 ok = False

@@ -223,11 +223,12 @@ def read_header(slot: torch.Tensor) -> dict:
 
 
 def verify(slot: torch.Tensor, owner: int, iteration: int, layout: "Layout | None" = None,
-           job: int = 0, load_meta: bool = True) -> "dict | None":
-    """Check magic, job, owner, iteration, checksum and (when given) the layout. Returns the
-    metadata (``load_meta`` False: None; a holder does not need it). A holder verifies with
-    the header alone; the owner also checks its layout. Nothing is copied out of the slot
-    here: a refused copy never reaches the live tensors."""
+           job: int = 0, load_meta: bool = True, checksum: bool = True) -> "dict | None":
+    """Check magic, job, owner, iteration, checksum (``checksum`` False: the header only)
+    and (when given) the layout. Returns the metadata (``load_meta`` False: None; a holder
+    does not need it). A holder verifies without a layout; the owner also checks its
+    layout. Nothing is copied out of the slot here: a refused copy never reaches the live
+    tensors."""
     h = read_header(slot)
     where = f"mirror copy of rank {owner} iteration {iteration}"
     if h["magic"] == MAGIC_V1:
@@ -247,6 +248,8 @@ def verify(slot: torch.Tensor, owner: int, iteration: int, layout: "Layout | Non
     if not (HEADER_BYTES <= h["tensor_end"] <= slot.numel()
             and 0 <= h["meta_len"] <= slot.numel() - h["tensor_end"]):
         raise MirrorCorruptError(f"{where}: corrupt header")
+    if not checksum:
+        return None
     crc = _crc(slot, h["tensor_end"], h["meta_len"])
     if crc != h["crc"]:
         raise MirrorCorruptError(f"{where}: checksum mismatch (stored {h['crc']:#010x}, "
