@@ -5,7 +5,7 @@ thread's clock only runs while it runs, however many processes share the cores).
                           / CPU s per step of the training main thread (less its mirror part)
 
 "Everything the mirror adds": the mirror thread (copy, checksum, seal, exchange, receive and
-verify of the buddies' copies, commit), the checksum pool's threads, the mirror group's gloo
+header check of the buddies' copies, commit), the checksum pool's threads, the mirror group's gloo
 threads (its ``gloo_tcp_loop`` I/O thread and its two ``pt_gloo_runloop`` workers, which run
 the commit's all-reduce), and the main thread's own share (metadata capture, ``begin``, the
 wait before the step), clocked with ``time.thread_time`` around those calls.
