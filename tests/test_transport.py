@@ -154,11 +154,15 @@ def test_socket_refuses_a_message_larger_than_the_receive_buffer():
 
     t0, t1 = _pair()
     th = threading.Thread(target=lambda: t1.exchange(
-        [(0, torch.ones(64, dtype=torch.uint8))], [], timeout_s=5))
+        [(0, torch.zeros(64, dtype=torch.uint8))], [], timeout_s=5))
     th.start()
     with pytest.raises(PeerLost, match="do not fit the 32-byte receive buffer"):
         t0.exchange([], [(1, torch.empty(32, dtype=torch.uint8))], timeout_s=5)
     th.join()
+    # the rest of that message is still on the wire (zeros: it would read as an empty
+    # message): the connection is not used again
+    with pytest.raises(PeerLost):
+        t0.exchange([], [(1, torch.empty(64, dtype=torch.uint8))], timeout_s=5)
     for t in (t0, t1):
         t.release()
 

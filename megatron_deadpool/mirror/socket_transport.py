@@ -88,6 +88,7 @@ class SocketTransport(MirrorTransport):
         self._out: Dict[int, socket.socket] = {}
         self._in: Dict[int, socket.socket] = {}
         self._sel = selectors.DefaultSelector()
+        self._aborted = False
 
     # ------------------------------------------------------------------ connections
     def _remaining(self, deadline: float, what: str) -> float:
@@ -151,6 +152,14 @@ class SocketTransport(MirrorTransport):
 
     # ------------------------------------------------------------------ the exchange
     def exchange(self, sends, recvs, timeout_s=None) -> None:
+        try:
+            self._exchange(sends, recvs, timeout_s)
+        except BaseException:
+            self.abort()  # a half-sent message would misframe the next: no next on these
+            raise
+
+    def _exchange(self, sends, recvs, timeout_s) -> None:
+        self._check_open()
         self._limit = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + self._limit
         out = [_Send(self._out_conn(dst, deadline), buf) for dst, buf in sends]
@@ -163,6 +172,7 @@ class SocketTransport(MirrorTransport):
         try:
             while pending:
                 ready = self._sel.select(self._remaining(deadline, "exchange"))
+                self._check_open()
                 if ready:  # the bound is on silence: a large slot may take longer in all
                     deadline = time.monotonic() + self._limit
                 for key, _ in ready:
@@ -184,7 +194,13 @@ class SocketTransport(MirrorTransport):
     def all_gather_json(self, obj, timeout_s=None) -> List:
         return self.collectives.all_gather_json(obj, timeout_s)
 
+    def _check_open(self) -> None:
+        if self._aborted:
+            raise PeerLost("mirror exchange: transport aborted (recovery began, or an "
+                           "earlier exchange on it failed)")
+
     def abort(self) -> None:
+        self._aborted = True  # bytes already received are not read as a message
         for s in (*list(self._out.values()), *list(self._in.values()), self._listener):
             try:
                 s.shutdown(socket.SHUT_RDWR)  # wakes a select on it (a listener's too)
