@@ -109,7 +109,8 @@ def _print_overhead(r: dict) -> None:
           f"snapshot_gbps {_fmt(r.get('snapshot_gbps'))} | copy_gbps "
           f"{_fmt(r.get('copy_gbps'))} (cold caches: {_fmt(r.get('copy_cold_gbps'))}) | "
           f"checksum_gbps {_fmt(r.get('checksum_gbps'))} | commit "
-          f"{'/'.join(r.get('mirror_commit') or ['?'])}",
+          f"{'/'.join(r.get('mirror_commit') or ['?'])} | transport "
+          f"{'/'.join(r.get('mirror_transport') or ['?'])}",
           flush=True)
     worst = [c for c in r.get("mirror_cpu") or [] if c]
     if worst:  # the last run's worst rank: where a snapshot job's CPU goes
@@ -142,6 +143,7 @@ def mirror_cost(results_dir: str, world_size: int) -> dict:
     return {"mirror_cpu_fraction": fr[worst] if worst is not None else None,
             "mirror_cpu_fraction_per_rank": fr,
             "mirror_commit": sorted({x.get("mirror_commit") or "?" for x in ranks}),
+            "mirror_transport": sorted({x.get("mirror_transport") or "?" for x in ranks}),
             "mirror_cpu_worst_rank": ranks[worst].get("mirror_cpu") if worst is not None
             else None,
             "snapshot_per_rank": snaps}
@@ -165,6 +167,7 @@ def combine_costs(costs: List[dict]) -> dict:
             "mirror_cpu_fraction_runs": fr,
             "mirror_cpu": [c["mirror_cpu_worst_rank"] for c in costs],
             "mirror_commit": sorted({m for c in costs for m in c.get("mirror_commit", [])}),
+            "mirror_transport": sorted({m for c in costs for m in c.get("mirror_transport", [])}),
             "snapshot_gbps": med("snapshot_gbps"), "copy_gbps": med("copy_gbps"),
             "checksum_gbps": med("checksum_gbps"), "snapshot_bytes": med("snapshot_bytes"),
             "snapshot_over_copy_min": min(ratios) if ratios else None,

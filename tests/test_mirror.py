@@ -59,6 +59,7 @@ def test_bench_overhead_prints_and_writes_fields(tmp_path):
     assert d["mirror_cpu_fraction"] > 0 and ir["mirror_cpu_fraction"] > 0
     # megatron-core's step all-reduces the grad norm over the world: no commit collective
     assert d["mirror_commit"] == ["implicit"]
+    assert d["mirror_transport"] == ["socket"]  # the default: the mirror's own connections
     assert d["mirror_cpu"][0]["gloo_cpu_per_job_s"] > 0  # the mirror group's threads, found
     assert d["snapshot_gbps"] > 0 and d["copy_gbps"] > 0 and d["checksum_gbps"] > 0
     assert "mirror_cpu_fraction" in p.stdout and "snapshot_gbps" in p.stdout

@@ -76,6 +76,8 @@ def local_address(toward: str, route=_route_source, environ=os.environ) -> str:
 
 
 class SocketTransport(MirrorTransport):
+    kind = "socket"
+
     def __init__(self, store, rank: int, world_size: int, collectives: MirrorTransport,
                  host: str, timeout_s: float = 600.0):
         """``store``: this generation's (every member publishes its listener there);

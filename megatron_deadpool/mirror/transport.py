@@ -32,6 +32,7 @@ class MirrorTransport(abc.ABC):
 
     rank: int
     world_size: int
+    kind: str  # reported by the bench ("mirror_transport")
 
     @abc.abstractmethod
     def exchange(self, sends: Sequence[Tuple[int, torch.Tensor]],
@@ -65,6 +66,8 @@ class MirrorTransport(abc.ABC):
 class GlooTransport(MirrorTransport):
     """Default: a dedicated gloo group over CPU tensors, so mirror traffic never queues behind
     training collectives (and works next to NCCL)."""
+
+    kind = "gloo"
 
     def __init__(self, timeout_s: float = 600.0, group=None,
                  create_timeout_s: Optional[float] = None):
@@ -131,6 +134,8 @@ class StoreTransport(MirrorTransport):
     """Moves bytes through a c10d Store (TCPStore/FileStore). Slower; needs no process group,
     so it also works between processes that share only the coordinator. ``tag`` namespaces
     one use; every call advances a round counter that all members advance in lockstep."""
+
+    kind = "store"
 
     def __init__(self, store, rank: int, world_size: int, tag: str = "mirror",
                  timeout_s: float = 600.0):

@@ -273,7 +273,8 @@ class Protected:
                 "mirror_tensor_bytes": m.layout.tensor_bytes if m.layout else 0,
                 "mirror_copies": m.copy_stats(),
                 "committed": m.committed,
-                "mirror_commit": "implicit" if m.commits.implicit else "collective"}
+                "mirror_commit": "implicit" if m.commits.implicit else "collective",
+                "mirror_transport": getattr(self._transport, "kind", None)}
 
     def _cost_info(self, m: Mirror) -> dict:
         """``mirror_cpu`` (mirror/cpu.py) over the steps from CPU_WINDOW_START on, and the
