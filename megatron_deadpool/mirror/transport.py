@@ -64,8 +64,10 @@ class MirrorTransport(abc.ABC):
 
 
 class GlooTransport(MirrorTransport):
-    """Default: a dedicated gloo group over CPU tensors, so mirror traffic never queues behind
-    training collectives (and works next to NCCL)."""
+    """A dedicated gloo group over CPU tensors, so mirror traffic never queues behind
+    training collectives (and works next to NCCL). It runs the mirror's collectives, and
+    its exchange with ``--deadpool-mirror-transport gloo`` (socket_transport.py: the
+    default exchange)."""
 
     kind = "gloo"
 

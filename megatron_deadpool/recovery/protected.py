@@ -298,4 +298,6 @@ class Protected:
             return
         if abort and not self.mirror.quiesce(0):
             abort()
+            if self._transport is not None:
+                self._transport.abort()  # e.g. waiting for a dead owner's connection
         self.mirror.close()
