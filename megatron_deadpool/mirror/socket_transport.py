@@ -25,7 +25,8 @@ import selectors
 import socket
 import struct
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from datetime import timedelta
+from typing import Dict, List, Optional
 
 import torch
 
@@ -105,7 +106,7 @@ class SocketTransport(MirrorTransport):
             return s
         key = f"{KEY}{dst}"
         try:
-            self.store.wait([key], _td(self._remaining(deadline, "connect")))
+            self.store.wait([key], timedelta(seconds=self._remaining(deadline, "connect")))
         except Exception as exc:  # noqa: BLE001 - the store's timeout error type varies
             raise TransportTimeout(f"mirror connect: rank {dst} published no address in "
                                    f"{self._limit:g}s") from exc
@@ -196,6 +197,9 @@ class SocketTransport(MirrorTransport):
     def all_gather_json(self, obj, timeout_s=None) -> List:
         return self.collectives.all_gather_json(obj, timeout_s)
 
+    def _sockets(self) -> List[socket.socket]:
+        return [*self._out.values(), *self._in.values(), self._listener]
+
     def _check_open(self) -> None:
         if self._aborted:
             raise PeerLost("mirror exchange: transport aborted (recovery began, or an "
@@ -203,14 +207,14 @@ class SocketTransport(MirrorTransport):
 
     def abort(self) -> None:
         self._aborted = True  # bytes already received are not read as a message
-        for s in (*list(self._out.values()), *list(self._in.values()), self._listener):
+        for s in self._sockets():
             try:
                 s.shutdown(socket.SHUT_RDWR)  # wakes a select on it (a listener's too)
             except OSError:
                 pass
 
     def release(self):
-        for s in (*self._out.values(), *self._in.values(), self._listener):
+        for s in self._sockets():
             s.close()
         self._out.clear()
         self._in.clear()
@@ -273,8 +277,6 @@ class _Recv:
                 self.view = self.view[got:]
         except (BlockingIOError, InterruptedError):
             return False
-        except PeerLost:
-            raise
         except OSError as exc:
             raise PeerLost(f"mirror receive from rank {self.src}: {exc}") from exc
 
@@ -288,8 +290,3 @@ def _read_exact(s: socket.socket, n: int) -> bytes:
         data += chunk
     return bytes(data)
 
-
-def _td(seconds: float):
-    from datetime import timedelta
-
-    return timedelta(seconds=seconds)
