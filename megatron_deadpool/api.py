@@ -239,6 +239,7 @@ class Deadpool:
             resume = state_io.capture(train_state.iteration, train_state, scheduler, optimizer,
                                       with_cuda=self.device.type == "cuda")
         digest = shard.rank_digest(model, optimizer, resume)
+        parts = shard.digest_parts(model, optimizer, resume)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, digest)
         combined = shard.combine_digests(gathered)
@@ -253,6 +254,7 @@ class Deadpool:
             self._loss_log.close()
         if results_dir:
             with open(os.path.join(results_dir, f"rank{self.rank}.json"), "w") as f:
-                json.dump({"rank": self.rank, "digest": digest, "final_state_sha256": combined,
+                json.dump({"rank": self.rank, "digest": digest, "digest_parts": parts,
+                           "final_state_sha256": combined,
                            **extra, **(extra_fields or {})}, f)
         return combined

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from conftest import REPO, assert_ok_and_bitwise, launch, layout_flags
+from conftest import REPO, assert_bitwise, assert_ok_and_bitwise, launch, layout_flags
 from megatron_deadpool.launch.options import free_port
 
 pytestmark = [pytest.mark.slow]
@@ -80,7 +80,9 @@ def test_no_spare_waits_for_a_spare_node_that_joins(tmp_path, reference):
     def read():
         for line in job.stdout:
             lines.append(line)
-            if "no spare left for the failed rank(s): waiting" in line:
+            # the wait for a joining spare; under load an earlier recovery may first wait
+            # for the spare node's processes that are still starting
+            if "no spare left for the failed rank(s): waiting" in line and "joining" in line:
                 waiting.set()
 
     reader = threading.Thread(target=read, daemon=True)
@@ -93,11 +95,12 @@ def test_no_spare_waits_for_a_spare_node_that_joins(tmp_path, reference):
     reader.join(timeout=10)
     assert joiner.returncode == 0, out[-3000:]
     s = json.loads(summary.read_text())
-    assert s["final_state_sha256"] == reference(FLAGS)["final_state_sha256"]
+    assert_bitwise(s, reference(FLAGS))
     first, second = s["recoveries"]
     assert first["spare_of_rank"] == {"2": 8, "3": 9}
     assert set(second["spare_of_rank"].values()) == {10, 11}  # the joined node's processes
     assert s["waited_for_spare_s"] > 0
     ev = [json.loads(x) for x in events.read_text().splitlines()]
-    assert [e["waited_s"] for e in ev if e["event"] == "spare_wait"] == [
-        pytest.approx(s["waited_for_spare_s"], abs=0.01)]
+    waits = [e for e in ev if e["event"] == "spare_wait"]
+    assert waits[-1]["generation"] == second["generation"]  # the wait the joined node ended
+    assert sum(e["waited_s"] for e in waits) == pytest.approx(s["waited_for_spare_s"], abs=0.01)

@@ -4,6 +4,7 @@ has no data-parallel replica, plus the state fingerprint used by tests, demo and
 from __future__ import annotations
 
 import hashlib
+import itertools
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -147,27 +148,55 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy())
 
 
+def _param_bytes(model_chunks) -> Iterator[bytes]:
+    for ci, chunk in enumerate(model_chunks):
+        for name, p in chunk.named_parameters():
+            yield f"chunk{ci}.{name}".encode()
+            yield _tensor_bytes(p.data)
+
+
+def _optimizer_bytes(optimizer) -> Iterator[bytes]:
+    for name, t in shard_tensors(optimizer):
+        yield name.encode()
+        yield _tensor_bytes(t)
+    groups = group_state(optimizer)
+    if any(g for gs in groups for g in gs):  # per-group step (FusedAdam); torch Adam: none
+        yield repr(groups).encode()
+
+
+def _sha(chunks: Iterable[bytes]):
+    h = hashlib.sha256()
+    for c in chunks:
+        h.update(c)
+    return h
+
+
 def rank_digest(model_chunks: Iterable[torch.nn.Module], optimizer,
                 resume_state: Optional[dict] = None) -> str:
     """SHA-256 of this rank's model params and optimizer shard (main params, exp_avg,
     exp_avg_sq, step), in a fixed order, plus ``resume_state`` (``state.capture``: RNG
     states, iteration, consumed samples, scheduler, grad scaler) when given."""
-    h = hashlib.sha256()
-    if resume_state is not None:
-        from .train_state import canonical_bytes
+    from .train_state import canonical_bytes
 
-        h.update(canonical_bytes(resume_state))
-    for ci, chunk in enumerate(model_chunks):
-        for name, p in chunk.named_parameters():
-            h.update(f"chunk{ci}.{name}".encode())
-            h.update(_tensor_bytes(p.data))
-    for name, t in shard_tensors(optimizer):
-        h.update(name.encode())
-        h.update(_tensor_bytes(t))
-    groups = group_state(optimizer)
-    if any(g for gs in groups for g in gs):  # per-group step (FusedAdam); torch Adam: none
-        h.update(repr(groups).encode())
-    return h.hexdigest()
+    head = [canonical_bytes(resume_state)] if resume_state is not None else []
+    return _sha(itertools.chain(head, _param_bytes(model_chunks),
+                                _optimizer_bytes(optimizer))).hexdigest()
+
+
+def digest_parts(model_chunks: Iterable[torch.nn.Module], optimizer,
+                 resume_state: Optional[dict] = None) -> dict:
+    """The state ``rank_digest`` covers, hashed per part (16 hex digits): ``params``,
+    ``optimizer`` and each resume-state field, the RNG generators one by one. Written next
+    to the fingerprint at the end of a job, it names what differs when two fingerprints do."""
+    from .train_state import canonical_bytes
+
+    parts = {}
+    for key, value in (resume_state or {}).items():
+        fields = {f"rng.{k}": v for k, v in value.items()} if key == "rng" else {key: value}
+        parts.update({k: _sha([canonical_bytes(v)]).hexdigest()[:16] for k, v in fields.items()})
+    parts["params"] = _sha(_param_bytes(model_chunks)).hexdigest()[:16]
+    parts["optimizer"] = _sha(_optimizer_bytes(optimizer)).hexdigest()[:16]
+    return parts
 
 
 def combine_digests(digests_in_rank_order: Sequence[str]) -> str:
