@@ -27,6 +27,17 @@ def run_solo(script: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+def solo_result(script: str, timeout: int = 300) -> dict:
+    """``run_solo(script)``, which must exit 0 and print a line ``RESULT <json>``; that JSON
+    (the last such line)."""
+    import json
+
+    p = run_solo(script, timeout)
+    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-5000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def start(argv=None):
     """World of one, model parallel groups, model, optimizer, scheduler, train state."""
     import socket

@@ -1,10 +1,9 @@
 """``shard.digest_parts``: the final state hashed per part, so that a fingerprint mismatch
 names what differs (the parts a test failure prints: ``conftest.state_diff``)."""
 
-import json
 import textwrap
 
-from solo import run_solo
+from solo import solo_result
 
 SCRIPT = textwrap.dedent("""
     import json
@@ -35,10 +34,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_digest_parts_name_what_changed():
-    p = run_solo(SCRIPT)
-    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-5000:]
-    r = json.loads(lines[-1][len("RESULT "):])
+    r = solo_result(SCRIPT)
     assert {"params", "optimizer", "iteration", "rng.python", "rng.torch"} <= set(r["keys"]), r
     assert r["same"] == [], r
     assert r["after_python_random"] == ["rng.python"], r

@@ -4,7 +4,7 @@ survivor and a promoted spare resume with the step of the restored iteration."""
 
 import textwrap
 
-from solo import run_solo
+from solo import solo_result
 
 SCRIPT = textwrap.dedent("""
     import json
@@ -94,12 +94,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_per_group_step_is_mirrored_and_restored():
-    p = run_solo(SCRIPT)
-    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-5000:]
-    import json
-
-    r = json.loads(lines[-1][len("RESULT "):])
+    r = solo_result(SCRIPT)
     assert r["steps_at_4"] and set(r["steps_at_4"]) == {4}, r  # the optimizer is per-group
     assert set(r["spare_steps_before"]) == {1}, r
     assert set(r["rollback_steps"]) == {3}, r

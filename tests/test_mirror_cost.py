@@ -15,7 +15,7 @@ from crc32c import crc32c
 from megatron_deadpool import bench
 from megatron_deadpool.errors import MirrorCorruptError
 from megatron_deadpool.mirror import cpu, d2h, snapshot
-from solo import run_solo
+from solo import solo_result
 
 
 def test_window_divides_mirror_cpu_per_job_by_training_cpu_per_step():
@@ -175,10 +175,7 @@ SOLO = textwrap.dedent("""
 
 
 def test_a_protected_run_reports_its_mirror_cpu_and_snapshot_bandwidth():
-    p = run_solo(SOLO)
-    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-5000:]
-    r = json.loads(lines[-1][len("RESULT "):])
+    r = solo_result(SOLO)
     w = r["mirror_cpu"]
     # window from the 3rd step's snapshot: steps 4..9, snapshots 3..9
     assert (w["steps"], w["jobs"]) == (6, 7) and r["mirror_jobs"] == 10

@@ -1,9 +1,8 @@
 """Host memory of the mirror: allocated once (at the first snapshot), never per step."""
 
-import json
 import textwrap
 
-from solo import run_solo
+from solo import solo_result
 
 SCRIPT = textwrap.dedent("""
     import json
@@ -42,10 +41,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_resident_set_stays_flat_over_50_snapshots():
-    p = run_solo(SCRIPT)
-    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-5000:]
-    r = json.loads(lines[-1][len("RESULT "):])
+    r = solo_result(SCRIPT)
     info, rss = r["info"], r["rss"]
     slot = info["mirror_bytes"]
     assert info["mirror_jobs"] == 56 and info["committed"] == 55  # initial commit + 55

@@ -190,12 +190,15 @@ def digest_parts(model_chunks: Iterable[torch.nn.Module], optimizer,
     to the fingerprint at the end of a job, it names what differs when two fingerprints do."""
     from .train_state import canonical_bytes
 
+    def short(chunks: Iterable[bytes]) -> str:
+        return _sha(chunks).hexdigest()[:16]
+
     parts = {}
     for key, value in (resume_state or {}).items():
         fields = {f"rng.{k}": v for k, v in value.items()} if key == "rng" else {key: value}
-        parts.update({k: _sha([canonical_bytes(v)]).hexdigest()[:16] for k, v in fields.items()})
-    parts["params"] = _sha(_param_bytes(model_chunks)).hexdigest()[:16]
-    parts["optimizer"] = _sha(_optimizer_bytes(optimizer)).hexdigest()[:16]
+        parts.update({k: short([canonical_bytes(v)]) for k, v in fields.items()})
+    parts["params"] = short(_param_bytes(model_chunks))
+    parts["optimizer"] = short(_optimizer_bytes(optimizer))
     return parts
 
 
