@@ -22,9 +22,11 @@ setup(
         "test": ["pytest>=7", "matplotlib"],
         "report": ["matplotlib"],  # deadpool report
         # What Megatron-LM's own training code (pretrain_gpt.py, megatron/training) imports
-        # beyond megatron-core; pybind11 builds its dataset helper when no prebuilt one fits.
+        # beyond megatron-core; pybind11 builds its dataset helper when no prebuilt one fits;
+        # psutil: the checkpoint writer (--save, torch_dist: dist_checkpointing's
+        # filesystem_async worker processes).
         "megatron-lm": ["six", "regex", "pyyaml", "einops", "tqdm", "pydantic", "pybind11",
-                        "triton"],
+                        "triton", "psutil"],
         # apex is a source install: see README "GPU extras".
         "gpu": ["transformer-engine[pytorch]"],
     },

@@ -14,6 +14,7 @@ callers of exactly these methods:
             dp.after_step(state.iteration, loss=loss)   # last rank: loss log + progress line
         except Exception as exc:     # the one recovery boundary
             dp.recover(exc)          # restores state.iteration etc.; re-raises if not a failure
+    with dp.section("save"): ...     # a long phase (save, eval, data): its own timeout
     dp.finish(model, optimizer)      # fingerprint + results
     dp.shutdown(exc)                 # on an error path: report it, free communicators
 
@@ -23,13 +24,16 @@ The enabled runtime lives in ``recovery/runtime.py``; this class only wires it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import Iterator, Optional
 
 from .config import DeadpoolConfig
+from .faults import Phase as FaultPhase
+from .sections import checked_name
 from .megatron import shard
 from .worker_env import PROGRESS_PREFIX, WorkerEnv
 
@@ -105,7 +109,8 @@ class Deadpool:
         return Runtime(self, cfg, env, member, world,
                        Protected(cfg.replicas, (cfg.rendezvous_timeout_s, cfg.gloo_op_timeout_s),
                                  snapshot.job_id(secret), cfg.fallback_save_dir,
-                                 cfg.fallback_every, cfg.mirror_transport, env.store_host))
+                                 cfg.fallback_every, cfg.mirror_transport, env.store_host,
+                                 secret))
 
     def set_rank(self, rank: int, world_size: int) -> None:
         """This process's rank in the current generation (a spare takes a dead rank's)."""
@@ -158,6 +163,7 @@ class Deadpool:
         last = bool(self.results_dir) and self.rank == self.world_size - 1
         rec = self._progress(iteration, loss, now) if last else None
         if rt is not None:
+            rt.member.sections.step_done()
             n = len(rt.recoveries)
             rt.after_step(iteration)
             rt.sink.emit("step", rank=self.rank, iteration=iteration)  # for report
@@ -173,6 +179,30 @@ class Deadpool:
         if rec is not None:
             print(PROGRESS_PREFIX + json.dumps(rec), flush=True)
         self._t_step = now
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """Run the body as section ``name`` (save, eval, data; step; startup): the decider
+        judges this rank's progress by that section's timeout (--deadpool-section-timeouts)
+        instead of the step's, and, in a section that may hold the GIL (all but step), a
+        stale heartbeat too. Entering and leaving are progress. A no-op with the mirror off.
+
+        Raises:
+            ConfigError: an unknown section name.
+        """
+        rt = self._runtime
+        if rt is None:
+            checked_name(name)
+            yield
+            return
+        rt.member.sections.enter(name)
+        try:
+            if name == FaultPhase.SAVE and rt.faults.due(rt.att.iteration, FaultPhase.SAVE):
+                rt.member.wait_beat_of_section()  # the decider knows the save first
+                rt.faults(rt.att.iteration, FaultPhase.SAVE)
+            yield
+        finally:
+            rt.member.sections.leave()
 
     def _progress(self, iteration: int, loss: Optional[float], now: float) -> dict:
         """One iteration's progress record: loss, step seconds (since ``before_step``, or

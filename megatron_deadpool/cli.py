@@ -189,6 +189,9 @@ def _run_launch(args, rest: List[str]) -> int:
         print(f"[launch] completed {summary['completed_iters']} iterations; "
               f"final_state_sha256 {summary['final_state_sha256']}", flush=True)
         return 0
+    if summary.get("startup_error"):  # the workers' own error, not a failed node
+        print(f"deadpool: error: {summary['startup_error']}", file=sys.stderr, flush=True)
+        return 1
     print(f"[launch] error: {summary['error'] or 'the job did not complete'}",
           file=sys.stderr, flush=True)
     return 1

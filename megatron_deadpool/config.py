@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
 
 from .errors import ConfigError
+from .sections import SECTION_TIMEOUTS_S, Section, checked_timeouts, parse_section_timeouts
 
 AUDIT_MODES = ("none", "walk", "full")
 NO_SPARE_POLICIES = ("fail", "wait")
@@ -31,10 +32,14 @@ class DeadpoolConfig:
     max_local_restarts: int = 0
     on_no_spare: str = "fail"
     spare_wait_timeout_s: float = 600.0
+    # survivors wait this long for a promoted spare to build its model before the restore
+    spare_ready_timeout_s: float = 600.0
     fallback_save_dir: Optional[str] = None
     fallback_every: int = 0
     resume_dir: Optional[str] = None
     mirror_transport: str = "socket"
+    # startup/save/eval/data -> seconds (STEP's is progress_timeout_s); defaults filled in
+    section_timeouts_s: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.replicas < 0:
@@ -62,6 +67,9 @@ class DeadpoolConfig:
         if self.on_no_spare not in NO_SPARE_POLICIES:
             raise ConfigError(f"--deadpool-on-no-spare must be one of {NO_SPARE_POLICIES}, "
                               f"got {self.on_no_spare!r}")
+        if not self.spare_ready_timeout_s > 0:
+            raise ConfigError("--deadpool-spare-ready-timeout must be > 0, got "
+                              f"{self.spare_ready_timeout_s}")
         if not self.spare_wait_timeout_s > 0:
             raise ConfigError("--deadpool-spare-wait-timeout must be > 0, got "
                               f"{self.spare_wait_timeout_s}")
@@ -74,6 +82,8 @@ class DeadpoolConfig:
                               f"got {self.mirror_transport!r}")
         if self.audit not in AUDIT_MODES:
             raise ConfigError(f"--deadpool-audit must be one of {AUDIT_MODES}, got {self.audit!r}")
+        object.__setattr__(self, "section_timeouts_s", checked_timeouts(
+            self.section_timeouts_s, self.heartbeat_timeout_s))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DeadpoolConfig":
@@ -90,10 +100,13 @@ class DeadpoolConfig:
             max_local_restarts=getattr(args, "deadpool_max_local_restarts", 0),
             on_no_spare=getattr(args, "deadpool_on_no_spare", "fail"),
             spare_wait_timeout_s=getattr(args, "deadpool_spare_wait_timeout", 600.0),
+            spare_ready_timeout_s=getattr(args, "deadpool_spare_ready_timeout", 600.0),
             fallback_save_dir=getattr(args, "deadpool_fallback_save", None),
             fallback_every=getattr(args, "deadpool_fallback_every", 0),
             resume_dir=getattr(args, "deadpool_resume", None),
             mirror_transport=getattr(args, "deadpool_mirror_transport", "socket"),
+            section_timeouts_s=parse_section_timeouts(
+                getattr(args, "deadpool_section_timeouts", None) or ""),
         )
 
     def to_json(self) -> dict:
@@ -128,6 +141,7 @@ class DeadpoolConfig:
         """The decider's settings, derived (never repeated)."""
         return DeciderConfig(heartbeat_timeout_s=self.heartbeat_timeout_s,
                              progress_timeout_s=self.progress_timeout_s,
+                             section_timeouts_s=dict(self.section_timeouts_s),
                              heartbeat_interval_s=self.heartbeat_interval_s,
                              starting_spare_wait_s=min(30.0, self.rendezvous_timeout_s / 2),
                              max_local_restarts=self.max_local_restarts,
@@ -161,6 +175,16 @@ class DeciderConfig:
     # A member of the newest generation that has not taken its plan this long after it was
     # published is hung (e.g. blocked where the abort did not reach): it is fenced.
     take_plan_timeout_s: float = 30.0
+    # startup/save/eval/data -> seconds; STEP's timeout is progress_timeout_s
+    section_timeouts_s: Mapping[str, float] = field(
+        default_factory=lambda: dict(SECTION_TIMEOUTS_S))
+
+    def section_timeout_s(self, section: str) -> float:
+        """How long a rank in ``section`` may go without progress (an unknown or empty
+        section, e.g. from an older worker, is judged as a step)."""
+        if section == Section.STEP.value:
+            return self.progress_timeout_s
+        return self.section_timeouts_s.get(section, self.progress_timeout_s)
 
 
 def _flag(field_name: str) -> str:
@@ -179,20 +203,7 @@ def add_deadpool_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "%(default)s); 0: only the local double-buffered host snapshot, no "
                         "buddy and no exchange (not fault tolerant: refused with "
                         "--spare-nodes; for measuring the device-to-host path)")
-    g.add_argument("--deadpool-heartbeat-interval", type=float, default=d.heartbeat_interval_s,
-                   help="seconds between heartbeats (default %(default)s)")
-    g.add_argument("--deadpool-heartbeat-timeout", type=float, default=d.heartbeat_timeout_s,
-                   help="a process whose heartbeat is older is declared hung and fenced "
-                        "(default %(default)s)")
-    g.add_argument("--deadpool-progress-timeout", type=float, default=d.progress_timeout_s,
-                   help="a rank whose iteration does not advance for this long is fenced "
-                        "(default %(default)s)")
-    g.add_argument("--deadpool-rendezvous-timeout", type=float, default=d.rendezvous_timeout_s,
-                   help="how long recovery waits for a plan and for the new world "
-                        "(default %(default)s)")
-    g.add_argument("--deadpool-collective-timeout", type=float, default=d.collective_timeout_s,
-                   help="process-group timeout, a last resort behind heartbeats "
-                        "(default %(default)s)")
+    _add_timing_args(g, d)
     g.add_argument("--deadpool-events", default=None, metavar="FILE",
                    help="append one JSON line per recovery phase to FILE")
     g.add_argument("--deadpool-audit", choices=AUDIT_MODES, default=d.audit,
@@ -210,6 +221,12 @@ def add_deadpool_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--deadpool-spare-wait-timeout", type=float,
                    default=d.spare_wait_timeout_s, metavar="SECONDS",
                    help="with --deadpool-on-no-spare wait: how long (default %(default)s)")
+    g.add_argument("--deadpool-spare-ready-timeout", type=float,
+                   default=d.spare_ready_timeout_s, metavar="SECONDS",
+                   help="after a failure, how long the survivors wait for a promoted spare "
+                   "to build its model and optimizer before the restore; a spare that dies "
+                   "meanwhile is detected by its heartbeats, not by this (default "
+                   "%(default)s)")
     g.add_argument("--deadpool-fallback-save", default=None, metavar="DIR",
                    help="last resort: when a failure cannot be recovered from memory (no "
                    "spare, or a rank and all its buddies lost), the survivors write the "
@@ -227,3 +244,26 @@ def add_deadpool_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    "'socket', a TCP connection per (rank, buddy) pair, or 'gloo', the mirror's "
                    "gloo group, which runs the collectives either way (default %(default)s)")
     return parser
+
+
+def _add_timing_args(g, d: DeadpoolConfig) -> None:
+    """The detection and recovery deadlines of ``add_deadpool_args``."""
+    g.add_argument("--deadpool-heartbeat-interval", type=float, default=d.heartbeat_interval_s,
+                   help="seconds between heartbeats (default %(default)s)")
+    g.add_argument("--deadpool-heartbeat-timeout", type=float, default=d.heartbeat_timeout_s,
+                   help="a process whose heartbeat is older is declared hung and fenced "
+                        "(default %(default)s)")
+    g.add_argument("--deadpool-progress-timeout", type=float, default=d.progress_timeout_s,
+                   help="the step section's timeout: a training rank whose iteration does "
+                        "not advance for this long is fenced (default %(default)s)")
+    g.add_argument("--deadpool-section-timeouts", default="", metavar="NAME=S,...",
+                   help="the other sections' timeouts, e.g. save=3600,eval=900 (sections: "
+                        "startup, save, eval, data; default "
+                        + ",".join(f"{k}={v:g}" for k, v in SECTION_TIMEOUTS_S.items())
+                        + "); a rank inside one is fenced after that long without progress")
+    g.add_argument("--deadpool-rendezvous-timeout", type=float, default=d.rendezvous_timeout_s,
+                   help="how long recovery waits for a plan and for the new world "
+                        "(default %(default)s)")
+    g.add_argument("--deadpool-collective-timeout", type=float, default=d.collective_timeout_s,
+                   help="process-group timeout, a last resort behind heartbeats "
+                        "(default %(default)s)")

@@ -52,6 +52,7 @@ class StopReason(str, enum.Enum):
 
     COMPLETE = "complete"
     NO_SPARE = "no spare left"
+    STARTUP = "startup error"  # a rank failed before it attached (membership/startup.py)
     FATAL = "fatal"          # a local error on one rank
     INTERRUPTED = "interrupted"
     OTHER = "stopped"

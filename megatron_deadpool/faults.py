@@ -4,6 +4,11 @@
     kill:rank=5@iter=7,phase=optimizer   SIGKILL rank 5 during its optimizer step
     stop:rank=3@iter=9                   SIGSTOP rank 3 (a hang)
     stop:node=2@iter=4                   SIGSTOP every process of node 2
+    stop:rank=3@iter=6,phase=save        SIGSTOP rank 3 in the save after iteration 6
+    drop:rank=3@iter=2                   rank 3 rejects every mirror copy it receives from
+                                         then on (no failure: the run goes on unprotected)
+    impostor:rank=2@iter=3               rank 2 starts a client without the job secret that
+                                         knocks on every mirror listener (mirror/impostor.py)
 
     iteration:  ... | forward_backward | optimizer | mirror | ... next iteration
                           ^ default        ^              ^  (phase= picks the point)
@@ -35,15 +40,18 @@ from typing import Callable, List, Optional, Sequence
 
 from .errors import ConfigError
 
-KINDS = ("kill", "stop", "term", "segv", "raise")
+KINDS = ("kill", "stop", "term", "segv", "raise", "drop", "impostor")
 # The signal the node agent delivers for each kind; "raise" is a local error raised by the
-# rank itself (an exception in its step: the job must fail fast, no recovery).
+# rank itself (an exception in its step: the job must fail fast, no recovery); "drop" makes
+# the rank reject every mirror copy it receives from then on (a holder that loses copies);
+# "impostor" makes it start a foreign mirror client (the listeners must refuse it).
 SIGNALS = {"kill": "SIGKILL", "stop": "SIGSTOP", "term": "SIGTERM", "segv": "SIGSEGV"}
 PHASES = ("forward_backward", "optimizer", "mirror", "rendezvous", "rebuild_groups",
-          "restore_state")
+          "restore_state", "save")
 TARGETS = ("node", "rank")
-FORM = ("kill|stop|term|segv|raise:node=N|rank=N@iter=N[,phase=forward_backward|optimizer|"
-        "mirror|rendezvous|rebuild_groups|restore_state] or ...@t=SECONDS (unstaged, from outside)")
+FORM = ("kill|stop|term|segv|raise|drop|impostor:node=N|rank=N@iter=N[,phase=forward_backward|"
+        "optimizer|mirror|rendezvous|rebuild_groups|restore_state|save] or ...@t=SECONDS "
+        "(unstaged, from outside)")
 
 
 class InjectedLocalError(RuntimeError):
@@ -55,6 +63,7 @@ class Phase:
 
     FORWARD_BACKWARD, OPTIMIZER, MIRROR = "forward_backward", "optimizer", "mirror"
     RENDEZVOUS, REBUILD_GROUPS, RESTORE_STATE = "rendezvous", "rebuild_groups", "restore_state"
+    SAVE = "save"  # entering the save section after iteration N (``Deadpool.section``)
 
 
 def _is_int(v) -> bool:
@@ -83,9 +92,12 @@ class Fault:
         if (self.node is None) == (self.rank is None):
             raise ConfigError(f"a fault targets exactly one of node or rank, got "
                               f"node={self.node!r} rank={self.rank!r}")
+        if self.kind in ("drop", "impostor") and self.node is not None:
+            raise ConfigError(f"a '{self.kind}' fault targets one rank "
+                              f"({self.kind}:rank=N@iter=N)")
         if self.at_s is not None:
-            if self.kind == "raise":
-                raise ConfigError("a 'raise' fault runs inside the rank: it needs @iter=N")
+            if self.kind in ("raise", "drop", "impostor"):
+                raise ConfigError(f"a '{self.kind}' fault runs inside the rank: it needs @iter=N")
             if not isinstance(self.at_s, (int, float)) or self.at_s < 0:
                 raise ConfigError(f"fault time must be >= 0 seconds, got {self.at_s!r}")
         for name in ("iteration", "index", "node", "rank"):
@@ -210,10 +222,13 @@ class FaultPoints:
 
     def __init__(self, faults: Sequence[Fault], rank: Callable[[], int], node: int,
                  claim: Callable[[int], bool], report: Callable[[Fault, int, str], None],
-                 kill: Callable[[int], None] = lambda sig: os.kill(os.getpid(), sig)):
+                 kill: Callable[[int], None] = lambda sig: os.kill(os.getpid(), sig),
+                 drop: Callable[[int], None] = lambda iteration: None,
+                 impostor: Callable[[], None] = lambda: None):
         self.faults = [f for f in faults if f.at_s is None]
         self.rank, self.node = rank, node
-        self.claim, self.report, self.kill = claim, report, kill
+        self.claim, self.report, self.kill, self.drop = claim, report, kill, drop
+        self.impostor = impostor
 
     def due(self, iteration: int, phase: str) -> List[Fault]:
         return [f for f in self.faults if f.iteration == iteration and f.phase == phase
@@ -227,6 +242,12 @@ class FaultPoints:
             if not self.claim(f.index):
                 continue
             self.report(f, iteration, phase)
+            if f.kind == "drop":
+                self.drop(iteration)
+                continue
+            if f.kind == "impostor":
+                self.impostor()
+                continue
             sig = getattr(_signal, SIGNALS[f.kind])
             if phase == Phase.OPTIMIZER:  # land inside the real step, not before it
                 delay = random.Random(f.index).uniform(0.0, 0.001)

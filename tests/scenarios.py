@@ -28,6 +28,8 @@ class Scenario:
     recoveries: Optional[int] = None  # exact count expected, when it is fixed
     iters: int = ITERS        # a longer job, where a wall-clock fault must land inside it
     local_restarts: Optional[int] = None  # recoveries that restarted a process in its slot
+    unprotected: bool = False  # the summary must report rejected copies and UNPROTECTED ranks
+    refused_peers: int = 0    # at least this many mirror connections refused (impostors)
 
 
 SCENARIOS = [
@@ -85,6 +87,36 @@ SCENARIOS = [
              what="SIGKILL one process on a healthy node: restarted in its slot, no spare spent"),
     Scenario("local_error", ("raise:rank=3@iter=5",), expect=FAILED_FAST, ci=True,
              what="an exception in one rank's step: the job fails fast, no recovery"),
+    # The rendezvous timeout of 20 s makes the mirror's operation deadline 5 s and the
+    # take-plan fence 10 s: the promoted spare's model build (12 s longer than usual)
+    # outlasts both, as a GPU model build outlasts the default 15 s deadline.
+    Scenario("slow_spare_build", ("kill:node=1@iter=6",), recoveries=1,
+             flags=("--deadpool-rendezvous-timeout", "20", "--spare-build-delay", "12"),
+             what="a promoted spare builds its model for longer than the survivors' operation "
+                  "deadline: they wait for it to be ready"),
+    Scenario("holder_drops_copies", ("drop:rank=3@iter=3",), recoveries=0, unprotected=True,
+             what="a holder rejects every copy it receives from iteration 3 on: no failure, "
+                  "the run finishes and reports its rejected copies and UNPROTECTED ranks"),
+    # A synchronous save 4x the step section's timeout (8 s): its own section, not a hang.
+    Scenario("long_save", (), recoveries=0,
+             flags=("--deadpool-progress-timeout", "8", "--mock-save-interval", "8",
+                    "--mock-save-s", "32"),
+             what="a save (mock, every rank) lasting 4x the step timeout: nobody is fenced"),
+    # Stopped inside its save: fenced after the save section's timeout (10 s), not at the
+    # heartbeat timeout. The others wait for it in their next step: the rendezvous timeout
+    # of 200 s keeps their gloo deadline (25 s) past that.
+    Scenario("sigstop_in_save", ("stop:rank=3@iter=6,phase=save",), recoveries=1,
+             flags=("--mock-save-interval", "6", "--mock-save-s", "1",
+                    "--deadpool-section-timeouts", "save=10",
+                    "--deadpool-rendezvous-timeout", "200"),
+             what="SIGSTOP a rank inside its save: fenced after the save section's timeout"),
+    # Rank 2 knocks on all 8 listeners: an old bare hello and a wrong proof are refused at
+    # once (16); its silent connections are refused at the handshake deadline, if the run
+    # still goes on then.
+    Scenario("impostor_mirror_peer", ("impostor:rank=2@iter=3",), recoveries=0,
+             refused_peers=16,
+             what="a client without the job secret connects to every mirror listener (old "
+                  "hello, wrong proof, silent): refused and logged, training goes on"),
 ]
 
 BY_NAME = {s.name: s for s in SCENARIOS}
@@ -120,6 +152,12 @@ def judge(s: Scenario, rc: int, summary: Optional[dict], reference_sha: str) -> 
         local = len(summary.get("local_restarts", []))
         if s.local_restarts is not None and local != s.local_restarts:
             return f"FAILED: {local} local restarts, expected {s.local_restarts}"
+        m = summary.get("mirror", {})
+        if s.unprotected and not (m.get("rejected_copies") and m.get("unprotected_ranks")):
+            return f"FAILED: the dropped copies were not reported: {m}"
+        if m.get("refused_peers", 0) < s.refused_peers:
+            return (f"FAILED: {m.get('refused_peers', 0)} impostor connections refused, "
+                    f"expected at least {s.refused_peers}")
         return BITWISE
     if rc == 0:
         return "FAILED: the job succeeded but should have stopped"

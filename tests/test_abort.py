@@ -1,6 +1,6 @@
 """gloo abort: when the generation moves on, each rank shuts down its own gloo connections.
 That unblocks a collective pending on a hung peer (``abort()`` would not), while the
-coordinator store keeps working."""
+coordinator store and every socket that is not a communicator's keep working."""
 
 import socket
 import threading
@@ -10,7 +10,8 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from megatron_deadpool.recovery.abort import comm_socket_fds, shutdown_gloo_connections
+from megatron_deadpool.recovery.abort import (comm_socket_fds, communicator_sockets,
+                                              owned_socket_inodes, shutdown_gloo_connections)
 
 
 def _port():
@@ -19,18 +20,53 @@ def _port():
         return s.getsockname()[1]
 
 
+def _unrelated_sockets():
+    """What the application opened itself: a listening socket and a connected pair over it
+    (a metrics client, a remote data reader)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    return listener, client, server
+
+
+def _still_work(listener, client, server) -> bool:
+    client.sendall(b"ping")
+    server.sendall(b"pong")
+    late = socket.create_connection(listener.getsockname())  # the listener still accepts
+    late.close()
+    return server.recv(4) == b"ping" and client.recv(4) == b"pong"
+
+
+def test_the_sweep_shuts_the_communicators_sockets_only():
+    """One process, no torch.distributed: the pair opened inside ``communicator_sockets``
+    is shut down, the pair and the listener opened outside it survive."""
+    mine = _unrelated_sockets()
+    with communicator_sockets():
+        comm = _unrelated_sockets()
+    try:
+        assert shutdown_gloo_connections(store_port=0) == 2  # both ends of the comm pair
+        assert _still_work(*mine)
+        assert comm[1].recv(4) == b""  # shut down: reads end at once
+        socket.create_connection(comm[0].getsockname()).close()  # listeners are spared
+    finally:
+        for s in (*mine, *comm):
+            s.close()
+
+
 def _worker(rank, port, q):
     try:
         store = torch.distributed.TCPStore("127.0.0.1", port, 3, rank == 0,
                                            wait_for_workers=False)
-        torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=3)
+        unrelated = _unrelated_sockets()
+        with communicator_sockets():  # as World.init_process_group does
+            torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=3)
         torch.distributed.barrier()
         if rank == 2:  # alive but never joins the collective below (a hung peer)
             store.wait(["done0", "done1"])
             store.set("done2", "1")
             q.put((rank, "idle", 0.0, True))
             return
-        assert comm_socket_fds([port]), "expected gloo connections"
+        assert comm_socket_fds([port], owned_socket_inodes()), "expected gloo connections"
         # what the runtime's watcher thread does when it sees a new generation
         threading.Timer(1.0 + rank, shutdown_gloo_connections, args=(port,)).start()
         t0 = time.monotonic()
@@ -40,6 +76,7 @@ def _worker(rank, port, q):
         except RuntimeError:
             outcome = "raised"
         dt = time.monotonic() - t0
+        assert _still_work(*unrelated), "the abort shut a socket that is not a communicator's"
         store.set(f"done{rank}", "1")  # the store still works after the abort
         if rank == 0:
             store.wait(["done2"])  # rank 0 hosts the store: leave last
@@ -77,3 +114,20 @@ def test_nccl_error_handling_never_tears_a_survivor_down():
     assert set(env.values()) == {"2"}
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
     assert nccl_error_handling_env(env) == [] and env["NCCL_ASYNC_ERROR_HANDLING"] == "2"
+
+
+def test_the_abort_wakes_the_mirrors_own_connections(monkeypatch):
+    """The sweep no longer reaches the socket transport's connections (not built inside
+    ``communicator_sockets``): the generation's abort calls ``World.on_abort``, which the
+    runtime points at the mirror transport's ``abort``; once per generation."""
+    from megatron_deadpool.recovery import abort as ab
+    from megatron_deadpool.recovery.world import World
+
+    monkeypatch.setattr(ab, "abort_communicators", lambda backend, port: {})
+    w = World("gloo", 1, 10.0, 10.0, emit=lambda *a, **k: None)
+    woken = []
+    w.on_abort = lambda: woken.append(1)
+    w._live_gen = 3
+    w.abort("generation 4 published", rank=0, newer_than=4)
+    w.abort("again", rank=0)
+    assert woken == [1] and w.aborted

@@ -5,7 +5,13 @@ import time
 import pytest
 
 from megatron_deadpool.errors import DeadpoolError, NoSpareError
-from megatron_deadpool.membership.assign import assign_spares, remaining_spares
+from megatron_deadpool.membership.assign import assign_spares
+
+
+def remaining_spares(spares, assignment):
+    """The pool minus the spares used by ``assignment``, pool order kept."""
+    used = set(assignment.values())
+    return [s for s in spares if s[0] not in used]
 
 
 def nodes_of(world, per_node):

@@ -282,3 +282,49 @@ def test_a_standby_spare_fault_does_not_time_the_next_failure():
     plan = _c(store).get_plan(1)
     assert plan.spare_of_rank == {2: 10, 3: 11}
     assert plan.detect_s < 1.0, plan.detect_s
+
+
+def _startup_error(store, lid, error="ModuleNotFoundError: No module named 'six'"):
+    _c(store).push_event("startup_error", lid=lid, rank=None, error=error, traceback="...")
+
+
+def test_a_startup_error_stops_the_job_naming_it_and_promotes_no_spare():
+    """Every process fails on the same import before it attached (membership/startup.py):
+    the job stops with the first rank's error; the exits that follow plan nothing."""
+    d, store, cmds = _decider()
+    _startup_error(store, 8)  # a standby spare: its error alone does not stop the job
+    for lid in (3, 0, 9, 1, 2, 4, 5, 6, 7):
+        _startup_error(store, lid)
+    for lid in range(10):
+        _c(store).push_event("exit", lid=lid, code=1, node=lid // 2)
+    for _ in range(3):
+        d.clock_.advance(1.0)
+        d.step()
+    line = "ModuleNotFoundError: No module named 'six' (first raised by rank 3)"
+    assert d.startup_error == line and d.failed_reason == "startup error: " + line
+    assert _c(store).shutdown_reason() == "startup error: " + line
+    assert _c(store).current_gen() == 0 and len(d.plans) == 1 and cmds == []
+
+
+def test_a_standby_spares_startup_error_only_takes_it_out_of_the_pool():
+    d, store, _ = _decider()
+    for lid in (0, 1, 2, 3, 4, 5, 6, 7, 9):
+        _join(store, lid)
+    _startup_error(store, 8)
+    _c(store).push_event("exit", lid=8, code=1, node=4)
+    d.step()
+    assert not d.finished and d.startup_error is None and d.procs[8].state == "dead"
+    _c(store).push_event("exit", lid=2, code=-9, node=1)  # a node failure later: spare 9
+    d.clock_.advance(0.1)
+    d.step()
+    assert _c(store).get_plan(1).spare_of_rank == {2: 9}
+
+
+def test_a_process_killed_during_startup_is_still_a_node_failure():
+    d, store, _ = _decider()
+    for lid in (0, 1, 2, 3, 4, 6, 7, 8, 9):
+        _join(store, lid)
+    _c(store).push_event("exit", lid=5, code=-9, node=2)  # no startup error reported
+    d.clock_.advance(0.1)
+    d.step()
+    assert not d.finished and _c(store).get_plan(1).failed_ranks == (5,)

@@ -4,7 +4,9 @@ copies they hold (``--deadpool-fallback-save``) and the job stops naming the sav
 
 import argparse
 import json
+import os
 import re
+import threading
 
 import pytest
 import torch
@@ -15,6 +17,11 @@ from megatron_deadpool.errors import ConfigError, MirrorCorruptError
 from megatron_deadpool.mirror import persist, snapshot
 
 FLAGS = layout_flags(2, 2, 12)
+RUN = "0123456789abcdef"
+
+
+def _manifest(world, job=7, run=RUN, tp=1, pp=1):
+    return persist.Manifest(job, run, world, tp, pp, world // (tp * pp))
 
 
 # ------------------------------------------------------------------ pure file logic
@@ -45,12 +52,13 @@ def test_an_iteration_is_complete_only_with_every_rank(tmp_path):
         m.seal(4)
     for m in mirrors[:2]:
         m.seal(5)
-        persist.save_held(m, str(tmp_path), world=3)
-    persist.save_held(mirrors[2], str(tmp_path), world=3)
-    assert persist.scan(str(tmp_path)).complete(3) == [(4, 3)]
-    assert persist.newest_complete(str(tmp_path), 3) == 4
+        persist.save_held(m, str(tmp_path), _manifest(3))
+    persist.save_held(mirrors[2], str(tmp_path), _manifest(3))
+    saved = persist.scan(str(tmp_path))
+    assert saved.complete(3) == [(4, RUN)]
+    assert persist.resume_candidates(saved, (3, 1, 1, 3))[0][0] == 4
     with pytest.raises(ConfigError, match="no iteration saved for all 4 ranks"):
-        persist.newest_complete(str(tmp_path), 4)
+        persist.resume_candidates(saved, (4, 1, 1, 4))
 
 
 def test_buddy_copies_complete_a_dead_ranks_files(tmp_path):
@@ -59,25 +67,25 @@ def test_buddy_copies_complete_a_dead_ranks_files(tmp_path):
     holder.seal(6)
     holder.recv = {0: [owner.own[0].clone(), owner.own[1].clone()]}
     holder.recv_iter = {0: [6, -1]}
-    saved = persist.save_held(holder, str(tmp_path), world=2)  # the owner died: no save
+    saved = persist.save_held(holder, str(tmp_path), _manifest(2))  # the owner died: no save
     assert sorted((r, it) for r, it, _ in saved) == [(0, 6), (1, 6)]
-    assert persist.newest_complete(str(tmp_path), 2) == 6
+    assert persist.resume_candidates(persist.scan(str(tmp_path)), (2, 1, 1, 2))[0][0] == 6
 
 
 def test_a_torn_slot_is_not_saved(tmp_path):
     m = _FakeMirror(0)
     m.seal(3)
     m.own[1][200] ^= 0xFF  # flip a tensor byte after sealing
-    assert persist.save_held(m, str(tmp_path), world=1) == []
+    assert persist.save_held(m, str(tmp_path), _manifest(1)) == []
 
 
 def test_resume_adopts_a_file_of_another_job_after_verifying_it(tmp_path):
     old = _FakeMirror(0, job=111)
     old.seal(8)
-    persist.save_held(old, str(tmp_path), world=1)
+    persist.save_held(old, str(tmp_path), _manifest(1, job=111))
     new = _FakeMirror(0, job=222)
-    data = persist.read_slot(str(tmp_path), 8, 0, 1)
-    persist.adopt(new, data, 8)
+    data = persist.read_slot(persist.scan(str(tmp_path)).path((8, RUN), 0))
+    persist.adopt(new, data, 8, job=111)
     meta = snapshot.verify(new.own[0], 0, 8, new.layout, job=222)
     assert meta == {"iteration": 8}
     out = torch.empty_like(new.t)
@@ -85,15 +93,124 @@ def test_resume_adopts_a_file_of_another_job_after_verifying_it(tmp_path):
     assert torch.equal(out, old.t * 8)
     data[300] ^= 0x01
     with pytest.raises(MirrorCorruptError, match="checksum"):
-        persist.adopt(_FakeMirror(0, job=333), data, 8)
+        persist.adopt(_FakeMirror(0, job=333), data, 8, job=111)
 
 
 def test_periodic_saves_keep_two(tmp_path):
     m = _FakeMirror(0)
     for it in range(1, 9):
         m.seal(it)
-        persist.periodic(m, str(tmp_path), every=2, world=1, iteration=it)
+        persist.periodic(m, str(tmp_path), 2, _manifest(1), it)
     assert sorted(it for it, _ in persist.scan(str(tmp_path)).ranks) == [6, 8]
+
+
+def test_each_saved_iteration_has_a_manifest_of_its_job_run_and_layout(tmp_path):
+    m = _FakeMirror(1, job=99)
+    m.seal(5)
+    persist.save_held(m, str(tmp_path), _manifest(8, job=99, tp=2, pp=2))
+    d = tmp_path / f"iter_00000005-{RUN}"
+    assert sorted(os.listdir(d)) == ["manifest.json", "rank1-of-8.snap"]
+    assert json.loads((d / "manifest.json").read_text()) == {
+        "iteration": 5, "job": 99, "run": RUN, "world": 8, "tp": 2, "pp": 2, "dp": 2}
+
+
+def test_the_directory_is_fsynced_after_the_rename(tmp_path, monkeypatch):
+    """A renamed file survives a crash only once its directory entry is on disk."""
+    calls = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        calls.append(("fsync_dir" if os.path.isdir(f"/proc/self/fd/{fd}") else "fsync_file"))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        calls.append(("replace", os.path.basename(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    m = _FakeMirror(0)
+    m.seal(3)
+    persist.save_held(m, str(tmp_path), _manifest(1))
+    i = calls.index(("replace", "rank0-of-1.snap"))
+    assert calls[i - 1] == "fsync_file" and calls[i + 1] == "fsync_dir", calls
+
+
+def test_stale_files_of_another_run_are_never_mixed_in(tmp_path):
+    """A reused directory: an earlier run left rank 1's file of iteration 6; this run
+    (same job secret, same layout) saves rank 0's. Iteration 6 is complete for neither."""
+    old, new = _FakeMirror(1), _FakeMirror(0)
+    old.seal(6)
+    new.seal(6)
+    persist.save_held(old, str(tmp_path), _manifest(2, run="00000000000000aa"))
+    persist.save_held(new, str(tmp_path), _manifest(2, run="00000000000000bb"))
+    saved = persist.scan(str(tmp_path))
+    assert saved.complete(2) == []
+    with pytest.raises(ConfigError, match="no iteration saved for all 2 ranks"):
+        persist.resume_candidates(saved, (2, 1, 1, 2))
+
+
+def test_a_complete_iteration_of_another_layout_is_not_resumed(tmp_path):
+    for r in range(4):
+        m = _FakeMirror(r)
+        m.seal(6)
+        persist.save_held(m, str(tmp_path), _manifest(4, tp=2))
+    saved = persist.scan(str(tmp_path))
+    assert persist.resume_candidates(saved, (4, 2, 1, 2)) == [(6, RUN)]
+    with pytest.raises(ConfigError, match="layout TP1.PP1.DP4.*world 4, TP2.PP1.DP2"):
+        persist.resume_candidates(saved, (4, 1, 1, 4))
+
+
+def test_a_corrupt_newest_file_falls_back_to_the_older_complete_iteration(tmp_path, caplog):
+    """Rank 1's file of iteration 6 is damaged on disk: both ranks resume iteration 5, rank
+    0 too (its own file of 6 is fine), with a warning, instead of failing."""
+    root = str(tmp_path)
+    for r in range(2):
+        m = _FakeMirror(r)
+        for it in (5, 6):
+            m.seal(it)
+        persist.save_held(m, root, _manifest(2))
+    saved = persist.scan(root)
+    path = saved.path((6, RUN), 1)
+    with open(path, "r+b") as f:
+        f.seek(300)
+        byte = f.read(1)
+        f.seek(300)
+        f.write(bytes([byte[0] ^ 0x01]))
+    votes, barrier, chosen = {}, threading.Barrier(2, timeout=10), {}
+
+    def all_ok(rank, ok):
+        votes[rank] = ok
+        barrier.wait()
+        both = all(votes.values())
+        barrier.wait()
+        return both
+
+    def resume(rank):
+        m = _FakeMirror(rank, job=555)
+        key = persist.resume_from(
+            persist.resume_candidates(saved, (2, 1, 1, 2)),
+            lambda k: _load(m, saved, k), lambda ok: all_ok(rank, ok))
+        chosen[rank] = (key, m.own_iter[key[0] % 2])
+
+    threads = [threading.Thread(target=resume, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert chosen == {0: ((5, RUN), 5), 1: ((5, RUN), 5)}
+    assert any("falling back to an older complete iteration" in r.message
+               for r in caplog.records)
+    assert any("checksum" in r.message for r in caplog.records)
+
+
+def _load(m, saved, key):
+    try:
+        persist.adopt(m, persist.read_slot(saved.path(key, m.rank)), key[0],
+                      saved.manifests[key].job)
+    except (MirrorCorruptError, ConfigError) as exc:
+        return str(exc)
+    return None
 
 
 def test_flags_are_validated():

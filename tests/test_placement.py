@@ -9,6 +9,21 @@ from megatron_deadpool.errors import ConfigError
 from megatron_deadpool.mirror import placement
 
 
+def received_bytes_per_node(rank_to_node, buddy_lists, bytes_per_rank):
+    """Bytes of mirror copies each node receives (every node hosting a rank appears, 0 if
+    it receives nothing). ``bytes_per_rank[r]`` is the size of rank r's copy. (The tests'
+    measure of a placement's balance; the runtime does not need it.)"""
+    world = len(rank_to_node)
+    if len(buddy_lists) != world or len(bytes_per_rank) != world:
+        raise ValueError(f"rank_to_node has {world} ranks but buddy_lists has "
+                         f"{len(buddy_lists)} and bytes_per_rank {len(bytes_per_rank)}")
+    out = {node: 0 for node in rank_to_node}
+    for owner, bs in enumerate(buddy_lists):
+        for b in bs:
+            out[rank_to_node[b]] += bytes_per_rank[owner]
+    return out
+
+
 def nodes_of(world, per_node):
     return [r // per_node for r in range(world)]
 
@@ -31,7 +46,7 @@ def test_equal_nodes_valid_and_balanced(world, per_node, k):
     b = placement.buddies(r2n, k)
     check_valid(r2n, b, k)
     assert all(len(h) == k for h in placement.holders_of(b))
-    recv = placement.received_bytes_per_node(r2n, b, [100] * world)
+    recv = received_bytes_per_node(r2n, b, [100] * world)
     assert recv == {n: 100 * k * per_node for n in range(world // per_node)}
 
 
@@ -69,7 +84,7 @@ def test_whole_node_replaced_by_spare():
     b = placement.buddies(r2n, 1)
     check_valid(r2n, b, 1)
     assert b == before  # ranks keep their ids: the placement does not move
-    recv = placement.received_bytes_per_node(r2n, b, [7] * 8)
+    recv = received_bytes_per_node(r2n, b, [7] * 8)
     assert recv == {0: 14, 4: 14, 2: 14, 3: 14}
     assert all(len(h) == 1 for h in placement.holders_of(b))
 
@@ -89,17 +104,17 @@ def test_single_rank_moves_keep_one_copy_per_rank():
 def test_received_bytes_with_unequal_sizes():
     r2n = nodes_of(6, 2)  # nodes 0,1,2; K=1 ring 0 -> 1 -> 2 -> 0
     b = placement.buddies(r2n, 1)
-    recv = placement.received_bytes_per_node(r2n, b, [1, 2, 30, 40, 500, 600])
+    recv = received_bytes_per_node(r2n, b, [1, 2, 30, 40, 500, 600])
     assert recv == {1: 3, 2: 70, 0: 1100}
     with pytest.raises(ValueError):
-        placement.received_bytes_per_node(r2n, b, [1, 2, 3])
+        received_bytes_per_node(r2n, b, [1, 2, 3])
 
 
 def test_node_that_receives_nothing_is_listed_with_zero():
     r2n = [0, 0, 0, 0, 1]  # node 1's single rank receives, node 0 gets one copy
     b = placement.buddies(r2n, 1)
     check_valid(r2n, b, 1)
-    recv = placement.received_bytes_per_node(r2n, b, [1] * 5)
+    recv = received_bytes_per_node(r2n, b, [1] * 5)
     assert recv == {0: 1, 1: 4}
 
 
@@ -157,7 +172,7 @@ def test_16k_ranks(per_node, k):
     t0 = time.perf_counter()
     b = placement.buddies(r2n, k)
     holders = placement.holders_of(b)
-    recv = placement.received_bytes_per_node(r2n, b, [12] * world)
+    recv = received_bytes_per_node(r2n, b, [12] * world)
     assert time.perf_counter() - t0 < 3
     check_valid(r2n, b, k)
     assert all(len(h) == k for h in holders)

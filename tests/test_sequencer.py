@@ -5,13 +5,14 @@ new generation is re-raised after the heartbeat timeout, a cascade moves to the 
 generation, and a lost buddy is terminal."""
 
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from megatron_deadpool.config import DeadpoolConfig
 from megatron_deadpool.errors import JobStopped, NoCommittedStateError, stopped
 from megatron_deadpool.membership.plan import Plan
-from megatron_deadpool.membership.store import WorkerState
+from megatron_deadpool.membership.store import GenerationMoved, WorkerState
 from megatron_deadpool.recovery.runtime import Runtime
 from megatron_deadpool.worker_env import WorkerEnv
 
@@ -32,6 +33,8 @@ class FakeMember:
         self.events = []
         self.fail_arrive_at = set()  # generations whose rendezvous sees a dead peer
         self.failing = set()  # generations with a member declared dead (plan not out yet)
+        self.readies = []  # generations whose restore this member waited for
+        self.fail_ready_at = set()  # generations whose spare dies while it builds its model
 
     def admit(self, status, on_generation, on_stop):
         pass
@@ -64,6 +67,13 @@ class FakeMember:
         if gen in self.fail_arrive_at:
             self.publish(plan(gen + 1))  # the decider replaced the dead peer meanwhile
             raise ConnectionError(f"peer died while generation {gen} formed")
+
+    def wait_until_ready(self, gen, world_size, timeout_s):
+        self.readies.append(gen)
+        if gen in self.fail_ready_at:
+            self.failing.add(gen)  # its heartbeats stopped: the decider declared it dead
+            self.publish(plan(gen + 1))
+            raise GenerationMoved(f"a member of generation {gen} failed")
 
     def push_event(self, kind, **fields):
         self.events.append((kind, fields))
@@ -116,6 +126,10 @@ class FakeProtected:
         self.slots = None
         self.restores = 0
         self._restore = restore
+        self.alarms = SimpleNamespace(emit=None)  # the runtime wires its event sink here
+
+    def abort_transport(self):
+        pass
 
     def quiesce(self, timeout_s):
         pass
@@ -232,6 +246,19 @@ def test_cascade_in_restore_starts_a_new_attempt():
     world.aborted = True
     rt.recover(RuntimeError("first failure"))
     assert len(calls) == 2 and rt.plan.gen == 2 and world.formed == [0, 1, 2]
+
+
+def test_restore_waits_for_every_member_and_a_spare_dying_meanwhile_moves_on():
+    """The restore exchange starts only once every member of the generation is ready (a
+    promoted spare builds its model first); a spare that dies while building ends the wait
+    at once, and the recovery goes on with the next generation."""
+    rt, member, world = runtime()
+    member.publish(plan(1))
+    member.fail_ready_at = {1}
+    world.aborted = True
+    rt.recover(RuntimeError("first failure"))
+    assert member.readies == [1, 2] and rt.att.restores == 1  # never restored in gen 1
+    assert rt.plan.gen == 2 and world.formed == [0, 1, 2] and rt.state == WorkerState.ACTIVE
 
 
 def test_primary_and_buddy_lost_is_terminal():

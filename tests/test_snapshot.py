@@ -103,3 +103,98 @@ def test_only_the_sealed_prefix_travels_and_verifies_in_a_used_buffer():
     assert snapshot.sealed(blank).numel() == blank.numel()
     with pytest.raises(MirrorCorruptError):
         snapshot.verify(blank, 3, 7, layout)
+
+
+# ---------------------------------------------------------------- metadata without pickle
+EXECUTED = []
+
+
+def _observe(what):
+    EXECUTED.append(what)
+    return {"iteration": 7}
+
+
+class _Payload:
+    """What a crafted copy would carry under pickle: reading it calls ``_observe``."""
+
+    def __reduce__(self):
+        return (_observe, ("code ran while reading a mirror copy",))
+
+
+def _forge(layout, slot, blob: bytes) -> None:
+    """Put ``blob`` where the metadata goes and make the header consistent with it, as
+    anyone who has seen one copy can (the checksum is not keyed)."""
+    import numpy as np
+
+    slot.numpy()[layout.tensor_end:layout.tensor_end + len(blob)] = np.frombuffer(
+        blob, dtype=np.uint8)
+    h = snapshot._header(slot)
+    h[4] = len(blob)
+    h[5] = snapshot._crc(slot, layout.tensor_end, len(blob))
+
+
+def test_forged_copy_with_a_pickle_payload_is_refused_and_runs_nothing():
+    import pickle
+
+    named, layout, slot = _sealed()
+    _forge(layout, slot, pickle.dumps(_Payload(), protocol=2))
+    EXECUTED.clear()
+    with pytest.raises(MirrorCorruptError, match="metadata"):
+        snapshot.verify(slot, 3, 7, layout)
+    assert EXECUTED == [], "reading a copy ran code"
+
+
+def test_metadata_round_trips_every_type_the_meta_carries_bitwise():
+    """RNG states (bytes, numpy's tuple with its uint32 array, Python's packed words),
+    counters, floats, a grad scaler's tensor, numpy scalars and int keys come back equal
+    and of the same type: set_state calls take them as they are."""
+    import random
+
+    import numpy as np
+
+    from megatron_deadpool.megatron import train_state as ts
+    from megatron_deadpool.mirror import metadata
+
+    py = random.Random(3).getstate()
+    rng = {"python": py, "numpy": np.random.RandomState(5).get_state(),
+           "torch": torch.get_rng_state().numpy().tobytes()}
+    meta = {"iteration": 7, "rng": ts.compact_rng(rng),
+            "flops": 1.0000000000000002e13, "nan": float("inf"), "none": None, "flag": True,
+            "scale": torch.tensor([65536.0, -0.0]), "np": np.float32(0.1), "i64": np.int64(-3),
+            "by_int": {0: "a", 1: (2, 3)}, "dunder": {"__bytes": [0, 1]},
+            "groups": [[{"step": {"tensor": 7.0}, "lr": 0.1 + 0.2}]]}
+    back = metadata.decode(metadata.encode(meta))
+    assert ts.canonical_bytes(back) == ts.canonical_bytes(meta)
+    state = back["rng"]["numpy"]
+    assert type(state) is tuple and state[1].dtype == np.uint32
+    assert np.array_equal(state[1], meta["rng"]["numpy"][1])
+    assert ts._python_state(back["rng"]["python"]) == py
+    assert back["rng"]["torch"] == meta["rng"]["torch"] and type(back["rng"]["torch"]) is bytes
+    assert torch.equal(back["scale"], meta["scale"]) and back["scale"].dtype == torch.float32
+    assert torch.signbit(back["scale"][1])
+    assert type(back["np"]) is np.float32 and back["np"] == meta["np"]
+    assert type(back["i64"]) is np.int64 and back["by_int"] == {0: "a", 1: (2, 3)}
+    assert back["dunder"] == {"__bytes": [0, 1]} and back["groups"] == meta["groups"]
+    assert back["nan"] == float("inf")
+
+
+@pytest.mark.parametrize("doc", [
+    '{"__ndarray": ["|O", [1], 0, 8]}',          # an object array
+    '{"__tensor": ["__class__", [1], 0, 4]}',    # not a dtype
+    '{"__bytes": [0, 99]}',                      # outside the raw section
+    '{"__tuple": 5}', '[1, 2', '{"__dict": [[[1], 2]]}'])
+def test_malformed_metadata_is_refused(doc):
+    import struct
+
+    from megatron_deadpool.mirror import metadata
+
+    data = doc.encode()
+    with pytest.raises(MirrorCorruptError, match="metadata"):
+        metadata.decode(struct.pack("<I", len(data)) + data + b"\0" * 8)
+
+
+def test_format_2_slot_with_pickled_metadata_is_refused_by_name():
+    named, layout, slot = _sealed()
+    snapshot._header(slot)[0] = snapshot.MAGIC_V2
+    with pytest.raises(MirrorCorruptError, match="format 2"):
+        snapshot.verify(slot, 3, 7, layout)

@@ -13,6 +13,7 @@ from megatron_deadpool.mirror.transport import GlooTransport, StoreTransport
 from megatron_deadpool.recovery.classify import is_comm_failure
 
 WORLD = 3
+SECRET = "the-job-secret"
 
 
 def _port():
@@ -83,7 +84,8 @@ def _worker(rank, kind, port, errq):
             torch.distributed.init_process_group("gloo", store=store, rank=rank,
                                                  world_size=WORLD)
             t = SocketTransport(torch.distributed.PrefixStore("t/", store), rank, WORLD,
-                                GlooTransport(timeout_s=60), "127.0.0.1", timeout_s=60)
+                                GlooTransport(timeout_s=60), "127.0.0.1", SECRET, 0,
+                                timeout_s=60)
         else:
             t = StoreTransport(store, rank, WORLD, tag="t", timeout_s=60)
         _conformance(t, rank)
@@ -107,9 +109,10 @@ def test_transport_conformance(kind):
     assert errors == [None] * WORLD, "\n".join(e for e in errors if e)
 
 
-def _pair():
-    store = torch.distributed.HashStore()
-    return [SocketTransport(store, r, 2, None, "127.0.0.1", timeout_s=60) for r in (0, 1)]
+def _pair(store=None):
+    store = store or torch.distributed.HashStore()
+    return [SocketTransport(store, r, 2, None, "127.0.0.1", SECRET, 3, timeout_s=60)
+            for r in (0, 1)]
 
 
 @pytest.mark.parametrize("connected", [False, True])
@@ -179,3 +182,156 @@ def test_socket_listener_address_is_the_interface_the_other_nodes_reach():
     assert local_address("127.0.0.1", route, {}) == "127.0.0.1"  # a one-host job
     assert local_address("node001", route, {"DEADPOOL_MIRROR_ADDR": "10.9.9.9"}) == "10.9.9.9"
     assert local_address("nowhere", lambda _: None, {}) == "127.0.0.1"
+
+
+# ---------------------------------------------------------------- the authenticated handshake
+def _addr(t):
+    return t._listener.getsockname()[:2]
+
+
+def _wait_for(cond, what: str, limit_s: float = 20.0) -> None:
+    """Poll ``cond`` (a liveness bound for the test, not a timing assertion)."""
+    end = time.monotonic() + limit_s
+    while not cond():
+        assert time.monotonic() < end, what
+        time.sleep(0.01)
+
+
+def _honest_send(t, dst: int, value: int, n: int = 64):
+    import threading
+
+    th = threading.Thread(target=t.exchange, args=(
+        [(dst, torch.full((n,), value, dtype=torch.uint8))], []), kwargs={"timeout_s": 10})
+    th.start()
+    return th
+
+
+def _bare_hello_impostor(t, claimed: int, n: int = 64) -> socket.socket:
+    """A client of the old, unauthenticated protocol: HELLO(magic, rank), then a message."""
+    import struct
+
+    s = socket.create_connection(_addr(t))
+    s.sendall(struct.pack("<QQ", 0x44504F4F4C534B31, claimed)
+              + struct.pack("<Q", n) + bytes([0xEE]) * n)
+    return s
+
+
+def _wrong_secret_impostor(t, claimed: int, secret: str, gen: int) -> socket.socket:
+    """A client of the current protocol that proves a wrong secret (or generation)."""
+    from megatron_deadpool.mirror import handshake as hs
+
+    s = socket.create_connection(_addr(t))
+    nonce_s = b"n" * hs.NONCE_BYTES
+    s.sendall(hs.HELLO.pack(hs.HELLO_MAGIC, claimed, nonce_s))
+    _, nonce_l, _ = hs.CHALLENGE.unpack(hs.read_exact(s, hs.CHALLENGE.size))
+    forged = hs.sender_proof(secret, nonce_l, nonce_s, gen, claimed, t.rank)
+    s.sendall(hs.RESPONSE.pack(forged) + b"\xee" * 72)
+    return s
+
+
+def _closed_by_peer(s: socket.socket) -> bool:
+    s.settimeout(10)
+    try:
+        while s.recv(4096):
+            pass
+    except OSError:
+        pass
+    return True
+
+
+@pytest.mark.parametrize("impostor", ["bare_hello", "wrong_secret", "wrong_generation"])
+def test_socket_listener_refuses_a_foreign_client(impostor, caplog):
+    """A client that does not prove the job secret for this generation (the old bare HELLO
+    claiming rank 1, a wrong secret, a replay from another generation) is refused with a
+    warning and never fills a receive slot; the honest rank 1 still gets through."""
+    import logging
+
+    t0, t1 = _pair()
+    if impostor == "bare_hello":
+        bad = _bare_hello_impostor(t0, claimed=1)
+    else:
+        secret, gen = ("guessed", t0.gen) if impostor == "wrong_secret" else (SECRET, 2)
+        bad = _wrong_secret_impostor(t0, 1, secret, gen)
+    with caplog.at_level(logging.WARNING, "megatron_deadpool.mirror.socket_transport"):
+        th = _honest_send(t1, 0, value=1)
+        buf = torch.zeros(64, dtype=torch.uint8)
+        t0.exchange([], [(1, buf)], timeout_s=10)
+        th.join()
+        assert torch.all(buf == 1), "an impostor's bytes landed in the receive slot"
+        _wait_for(lambda: t0.refused == 1, "the impostor was not refused")
+    assert _closed_by_peer(bad)
+    line = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert len(line) == 1 and "rank 0" in line[0] and "127.0.0.1:" in line[0], line
+    for t in (t0, t1):
+        t.release()
+
+
+def test_socket_silent_client_does_not_stall_the_listener(monkeypatch):
+    """A client that connects and sends nothing holds up no honest peer, and is closed once
+    its handshake deadline passes."""
+    from megatron_deadpool.mirror import handshake as hs
+
+    monkeypatch.setattr(hs, "HANDSHAKE_S", 1.0)
+    t0, t1 = _pair()
+    silent = socket.create_connection(_addr(t0))  # connected first, never says a word
+    th = _honest_send(t1, 0, value=7)
+    buf = torch.zeros(64, dtype=torch.uint8)
+    t0.exchange([], [(1, buf)], timeout_s=5)
+    th.join()
+    assert torch.all(buf == 7)
+    _wait_for(lambda: t0.refused == 1, "the silent client was never closed")
+    assert _closed_by_peer(silent)
+    for t in (t0, t1):
+        t.release()
+
+
+def test_socket_sender_connects_only_to_a_signed_listener():
+    """An address written into the store without the secret, or a listener that cannot prove
+    the secret, gets no byte of a slot: the sender refuses it."""
+    import threading
+
+    from megatron_deadpool.membership import auth
+    from megatron_deadpool.mirror import handshake as hs
+    from megatron_deadpool.mirror import socket_transport as st
+
+    store = torch.distributed.HashStore()
+    t0, t1 = _pair(store)
+    trap = socket.create_server(("127.0.0.1", 0))
+    got = []
+
+    def serve(answer: bytes):
+        s, _ = trap.accept()
+        s.settimeout(10)
+        got.append(s.recv(4096))  # the sender's hello
+        s.sendall(answer)
+        got.append(_read_all(s))
+
+    host, port = trap.getsockname()[:2]
+    store.set(f"{st.KEY}0", f"{host}:{port}")  # an attacker overwrote rank 0's address
+    with pytest.raises(st.PeerLost, match="not sealed with the job secret"):
+        t1.exchange([(0, torch.ones(64, dtype=torch.uint8))], [], timeout_s=5)
+    # a genuine seal (the listener that owned it is gone) on a listener that cannot prove
+    _, t2 = _pair(store)
+    store.set(f"{st.KEY}0", auth.seal(SECRET, {"gen": 3, "rank": 0, "addr": f"{host}:{port}"}))
+    th = threading.Thread(target=serve, args=(hs.CHALLENGE.pack(hs.HELLO_MAGIC, b"l" * 16,
+                                                                b"p" * 32),))
+    th.start()
+    with pytest.raises(st.PeerLost, match="did not prove the job secret"):
+        t2.exchange([(0, torch.ones(64, dtype=torch.uint8))], [], timeout_s=5)
+    th.join()
+    assert len(got[0]) == hs.HELLO.size and got[1] == b"", "slot bytes went to an impostor"
+    trap.close()
+    for t in (t0, t1, t2):
+        t.release()
+
+
+def _read_all(s: socket.socket) -> bytes:
+    out = b""
+    try:
+        while True:
+            chunk = s.recv(4096)
+            if not chunk:
+                return out
+            out += chunk
+    except OSError:
+        return out

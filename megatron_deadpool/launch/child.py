@@ -28,12 +28,39 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not argv:
         raise SystemExit("usage: python -m megatron_deadpool.launch.child "
                          "[--device cpu|cuda] SCRIPT [flags...]")
+    from ..membership import startup
     from ..worker_env import dump_stacks_on_crash, log_to_stdout
 
     dump_stacks_on_crash()
     log_to_stdout()
     script = os.path.abspath(argv[0])
     sys.path.insert(0, os.path.dirname(script))
+    startup.keep_usage_errors()  # Megatron-LM's parser: a bad flag is named, not "exit 2"
+    try:
+        lm = _prepare(device)
+    except BaseException as exc:
+        startup.report(exc)  # e.g. a dependency of Megatron-LM is missing
+        raise
+    from ..errors import DeadpoolError
+
+    sys.argv = [script, *argv[1:]]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except BaseException as exc:
+        lm.shutdown(exc)  # once joined, the runtime reports it
+        if not lm.joined():  # before: the script's imports, its flags
+            startup.report(exc)
+        if isinstance(exc, DeadpoolError):  # a refused configuration, a stopped job: one line
+            print(f"deadpool: error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        raise
+    if lm.results_dir():
+        lm.finish()
+
+
+def _prepare(device: Optional[str]):
+    """CPU mode, Megatron-LM's training module and the package's hooks into it; returns
+    ``megatron.lm``."""
     if device == "cpu":
         import torch
 
@@ -47,19 +74,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     from ..megatron import lm
 
     lm.capture_setup(training)
-    from ..errors import DeadpoolError
-
-    sys.argv = [script, *argv[1:]]
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except BaseException as exc:
-        lm.shutdown(exc)
-        if isinstance(exc, DeadpoolError):  # a refused configuration, a stopped job: one line
-            print(f"deadpool: error: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
-        raise
-    if lm.results_dir():
-        lm.finish()
+    return lm
 
 
 if __name__ == "__main__":

@@ -106,7 +106,9 @@ def _setup(opts: LaunchOptions, cfg, faults, say, out) -> Job:
     job = Job(opts=opts, cfg=cfg, say=say, agents=[],
               prefix={s.lid: (f"n{s.node} r{s.rank}" if s.rank is not None
                               else f"n{s.node} spare{s.lid}") for s in specs},
-              env=WorkerEnv(store_host=opts.master_addr, store_port=store_port,
+              # store port 0: no coordinator (without --deadpool), nobody to report to
+              env=WorkerEnv(store_host=opts.master_addr,
+                            store_port=store_port if cfg.enabled else 0,
                             results_dir=results_dir, faults=faults,
                             bench_block=opts.bench_block, world_size=opts.world_size,
                             master_addr=opts.master_addr, master_port=opts.master_port))

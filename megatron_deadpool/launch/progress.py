@@ -49,7 +49,8 @@ def _ms(seconds: Optional[float]) -> str:
 def format_iteration(rec: dict, total: Optional[int] = None, redo: bool = False) -> str:
     """``iter 12/30 | loss 4.8123 | step 212 ms | mirror lag 35 ms``. ``mirror lag``: how
     long after the previous step the snapshot of its state was committed (``off``: no
-    mirror); ``waited``: the part of this step spent waiting for that snapshot."""
+    mirror); ``waited``: the part of this step spent waiting for that snapshot;
+    ``UNPROTECTED``: the reporting rank's newest committed iteration lags too far behind."""
     it = rec["iteration"]
     width = len(str(total)) if total else 0
     head = f"iter {it:>{width}}/{total}" if total else f"iter {it}"
@@ -64,6 +65,8 @@ def format_iteration(rec: dict, total: Optional[int] = None, redo: bool = False)
         if waited >= 0.0005:
             lag += f" (waited {_ms(waited)})"
         parts.append(lag)
+    if rec.get("unprotected"):  # recovery/alarms.py: UNPROTECTED_LAG
+        parts.append(f"UNPROTECTED (newest committed iteration {rec.get('committed')})")
     if redo:
         parts.append("redo")
     return " | ".join(parts)

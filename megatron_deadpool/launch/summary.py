@@ -72,6 +72,7 @@ def build_summary(opts, cfg, results_dir, decider, store, codes, failed, wall_s,
             "waits": sum(x.get("mirror_waits", 0) for x in ranks),
             "host_bytes_per_rank": max(x.get("host_bytes", 0) for x in ranks),
             "mirror_bytes_per_rank": max(x.get("mirror_bytes", 0) for x in ranks),
+            **mirror_failures(ranks),
         }
     if decider is not None:
         summary["faults"] = [{k: v for k, v in f.items() if k != "t"} | {"t": round(f["t"], 3)}
@@ -80,6 +81,8 @@ def build_summary(opts, cfg, results_dir, decider, store, codes, failed, wall_s,
                                  for plan in decider.plans[1:]]
         summary["local_restarts"] = _local_restarts(decider, summary["recoveries"])
         summary["waited_for_spare_s"] = round(decider.waited_for_spare_s, 3)
+        if decider.startup_error is not None:  # "ExcType: message (first raised by rank R)"
+            summary["startup_error"] = decider.startup_error
         if cfg.enabled and cfg.fallback_save_dir:
             summary["fallback_save"] = fallback_save(cfg.fallback_save_dir, opts.world_size)
         summary["standby_spares_at_end"] = sum(
@@ -88,13 +91,27 @@ def build_summary(opts, cfg, results_dir, decider, store, codes, failed, wall_s,
     return summary
 
 
+def mirror_failures(ranks: List[dict]) -> dict:
+    """What the ranks' result files say about copies that did not protect anything:
+    ``rejected_copies`` (copies a holder received and refused, summed over holders),
+    ``failed_commits`` (iterations that did not commit: the most any rank saw),
+    ``unprotected_ranks`` (ranks that reported UNPROTECTED at some step)."""
+    return {"rejected_copies": sum(x.get("rejected_copies", 0) for x in ranks),
+            "failed_commits": max(x.get("failed_commits", 0) for x in ranks),
+            "unprotected_ranks": [x["rank"] for x in ranks if x.get("unprotected_steps")],
+            # connections the mirror listeners refused in the handshake (socket_transport.py)
+            "refused_peers": sum(x.get("mirror_refused_peers", 0) for x in ranks)}
+
+
 def fallback_save(root: str, world: int) -> dict:
-    """``{dir, iteration, bytes}``: the newest iteration saved for every rank (None: none)."""
+    """``{dir, iteration, run, bytes}``: the newest iteration saved for every rank (None:
+    none), and the run that saved it (persist.py)."""
     saved = persist.scan(root)
     done = saved.complete(world)
     if not done:
-        return {"dir": root, "iteration": None, "bytes": 0}
-    return {"dir": root, "iteration": done[0][0], "bytes": saved.nbytes[done[0]]}
+        return {"dir": root, "iteration": None, "run": None, "bytes": 0}
+    return {"dir": root, "iteration": done[0][0], "run": done[0][1],
+            "bytes": saved.nbytes[done[0]]}
 
 
 def _local_restarts(decider, recoveries: List[dict]) -> List[dict]:

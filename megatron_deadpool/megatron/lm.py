@@ -3,7 +3,9 @@ Megatron-LM (tag core_v0.16.1). Each patch hunk is one call into this module; th
 here, on top of the same public API (``api.Deadpool``) the reference trainer uses.
 
     arguments.py   add_megatron_arguments: parser = lm.add_args(parser)
-    initialize.py  _initialize_distributed: lm.join(args)          (a spare blocks here)
+    initialize.py  _initialize_distributed: lm.join(args)          (a spare blocks here;
+                   with --deadpool it wraps training.py's save_checkpoint, evaluate_and_
+                   print_results, build_train_valid_test_data_iterators in their sections)
                    lm.initialize_model_parallel(...)               (recorded for replay)
     training.py    pretrain(): lm.attach(model, optimizer, scheduler, dataset_provider)
                    train():    is_first_iteration = not lm.promoted()
@@ -24,14 +26,16 @@ from __future__ import annotations
 
 import inspect
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 from ..config import DeadpoolConfig, add_deadpool_args
 from ..errors import ConfigError, UnsupportedConfigError
 from ..recovery.quiet import CollectiveSuppressor
-from .lm_rules import check_megatron_version, unsupported_args
+from .checkpoints import CheckpointContexts
+from .iterators import PretrainIterators
+from .lm_rules import check_megatron_version, mark_sections, unsupported_args
 from .train_state import MegatronTrainState
 
 # ---------------------------------------------------------------------------- session
@@ -46,6 +50,8 @@ class _Session:
     state: Optional[MegatronTrainState] = None
     quiet: Optional[CollectiveSuppressor] = None
     plain: Any = None             # api.Deadpool with the mirror off (no --deadpool)
+    checkpoints: CheckpointContexts = field(default_factory=CheckpointContexts)
+    iterators: PretrainIterators = field(default_factory=PretrainIterators)
 
 
 _S = _Session()
@@ -102,6 +108,9 @@ def join(args) -> None:
     args.rank, args.world_size = _S.handle.rank, _S.handle.world_size
     if _S.handle.promoted:
         _adopt_rank_globals(args)
+    from megatron.training import training
+
+    mark_sections(training, _S.handle.section)  # save, eval, data: their own timeouts
 
 
 def _adopt_rank_globals(args) -> None:
@@ -140,6 +149,10 @@ def attach(model, optimizer, scheduler, dataset_provider=None) -> None:
     if not _enabled():
         return
     _S.state = MegatronTrainState(_S.args)
+    import megatron.training.training as training_module
+
+    _S.checkpoints.wrap(training_module)
+    _S.iterators.wrap(training_module)
     _S.handle.attach(model=model, optimizer=optimizer, scheduler=scheduler,
                      train_state=_S.state)
     if _S.handle.promoted:
@@ -188,6 +201,7 @@ def recover(exc: BaseException):
     if not _enabled():
         raise exc
     _S.handle.recover(exc)
+    _S.checkpoints.forget_groups()  # the next --save builds its strategy on the new groups
     train_it, valid_it = _rebuild_iterators()
     _reapply_rng()
     _reset_training_singletons(_S.state.iteration)
@@ -218,7 +232,7 @@ def _rebuild_iterators():
         train_it, valid_it, _ = build_train_valid_test_data_iterators(_S.dataset_provider)
     finally:
         quiet.stop()
-    return train_it, valid_it
+    return _S.iterators.adopt(train_it, valid_it)
 
 
 def _reset_training_singletons(iteration: int) -> None:
@@ -278,6 +292,12 @@ def finish() -> Optional[str]:
     if handle.rank == 0:
         print(f"final_state_sha256 {digest}", flush=True)
     return digest
+
+
+def joined() -> bool:
+    """Whether this process joined the job (``join`` with ``--deadpool``): from then on its
+    runtime reports its errors (``launch/child.py`` reports the ones before)."""
+    return _enabled()
 
 
 def shutdown(exc: Optional[BaseException]) -> None:

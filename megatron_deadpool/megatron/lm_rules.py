@@ -1,11 +1,12 @@
 """Pure rules of the Megatron-LM integration (no Megatron import): which flags ``--deadpool``
 refuses, which megatron-core versions it supports, and the CPU-only flags
 ``deadpool launch --device cpu`` adds. Used by ``lm.py`` and by the launcher before any
-worker starts."""
+worker starts. Also which Megatron-LM functions run in which section (``mark_sections``)."""
 
 from __future__ import annotations
 
-from typing import List, Tuple
+import functools
+from typing import Callable, ContextManager, List, Tuple
 
 from ..errors import ConfigError
 
@@ -46,6 +47,9 @@ def unsupported_args(args) -> List[str]:
         (g("deadpool_resume") is not None, "--deadpool-resume (a resume from a fallback "
          "save is implemented and tested with the reference trainer only; use Megatron-LM's "
          "--load here)"),
+        (g("deadpool_fallback_save") is not None, "--deadpool-fallback-save (its files "
+         "resume only through --deadpool-resume, which Megatron-LM's script refuses; use "
+         "Megatron-LM's own --save/--load, which work across a hot swap)"),
         (g("fake_process_group"), "--fake-process-group"),
         (g("multiple_validation_sets"), "--multiple-validation-sets"),
         (g("tp_comm_overlap"), "--tp-comm-overlap (userbuffers communicators cannot be "
@@ -77,6 +81,8 @@ def unsupported_argv(argv: List[str]) -> List[str]:
     for flag in ("--context-parallel-size", "--expert-model-parallel-size",
                  "--num-distributed-optimizer-instances"):
         p.add_argument(flag, type=int, default=1)
+    for flag in ("--deadpool-resume", "--deadpool-fallback-save"):
+        p.add_argument(flag, default=None)
     for flag in ("--non-persistent-ckpt-type", "--dataloader-type", "--yaml-cfg",
                  "--cuda-graph-impl", "--num-layers-per-virtual-pipeline-stage",
                  "--num-virtual-stages-per-pipeline-rank"):
@@ -139,3 +145,30 @@ CPU_FLAGS: Tuple[Tuple[Tuple[str, ...], List[str]], ...] = (
     (("--eval-iters",), ["--eval-iters", "0"]),
     (("--eval-interval",), ["--eval-interval", "1000"]),
 )
+
+
+# Megatron-LM's long phases, as named in ``megatron.training.training`` (train() and
+# pretrain() look them up there at each call), and the section each one runs in.
+SECTION_OF = {"save_checkpoint": "save", "evaluate_and_print_results": "eval",
+              "build_train_valid_test_data_iterators": "data"}
+
+
+def mark_sections(module, section: Callable[[str], ContextManager]) -> None:
+    """Wrap ``module``'s checkpoint save, evaluation and data-iterator build so that each
+    runs inside ``section(name)`` (``Deadpool.section``: that section's progress timeout,
+    and a stale heartbeat, e.g. while the dataset helpers hold the GIL, judged by it too).
+    Idempotent; the patch series stays as it is."""
+    for name, sec in SECTION_OF.items():
+        fn = getattr(module, name, None)
+        if fn is not None and not hasattr(fn, "_deadpool_section"):
+            setattr(module, name, _in_section(fn, sec, section))
+
+
+def _in_section(fn, name: str, section: Callable[[str], ContextManager]):
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        with section(name):
+            return fn(*a, **k)
+
+    wrapper._deadpool_section = name
+    return wrapper

@@ -78,3 +78,12 @@ def check_supported(model_chunks: Sequence, optimizer=None) -> None:
         raise UnsupportedConfigError(
             "--deadpool does not support: " + "; ".join(bad)
             + ". Disable these features or run without --deadpool.")
+
+
+def parallel_layout(world: int) -> tuple:
+    """(world, tp, pp, dp) of this job, from megatron's parallel state (what fallback files
+    are saved and resumed under: mirror/persist.py)."""
+    from megatron.core import parallel_state as ps
+
+    return (world, ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(), ps.get_data_parallel_world_size())

@@ -62,9 +62,3 @@ def assign_spares(failed_ranks: Iterable[int], rank_to_node: Sequence[Hashable],
         used = set(chosen)
         free = [s for s in free if s[0] not in used]
     return out
-
-
-def remaining_spares(spares: Sequence[Spare], assignment: Dict[int, int]) -> List[Spare]:
-    """The pool minus the spares used by ``assignment``, pool order kept."""
-    used = set(assignment.values())
-    return [s for s in spares if s[0] not in used]

@@ -1,13 +1,19 @@
 """Signed coordinator messages. The job secret never enters the store: workers get it out
 of band (``DEADPOOL_TOKEN`` in the environment, or ``DEADPOOL_TOKEN_FILE``, mode 0600).
 Every plan, generation pointer, event (joins, exits, deaths, fatal errors), agent command,
-heartbeat, admission and shutdown is HMAC-SHA256-signed over canonical JSON, and carries the
-slot it was written for (generation, event index, node and command index, process id), so a
-valid message copied to another slot or generation is rejected too.
+worker and agent heartbeat, admission and shutdown is HMAC-SHA256-signed over canonical
+JSON, and carries the slot it was written for (generation, event index, node and command
+index, process id, request nonce), so a valid message copied to another slot or generation
+is rejected. Replays into the same slot are stopped by the reader: events and commands are
+read once, the generation pointer only grows, and a heartbeat counts only if its
+(generation, sequence number) is newer than the last one taken (``procs.observe``).
 
-Threat model: a local client of the TCPStore without the secret can still delete or
-overwrite keys (availability), but it cannot make any job member act: forged or replayed
-messages are ignored, and the job keeps its own trajectory.
+Threat model: a client of the TCPStore without the secret can still delete or overwrite
+keys (availability), and can change what is not signed: counters, the arrival barrier,
+recovery timing reports, and torch.distributed's own rendezvous keys (``gen{g}/...``),
+through which it could redirect the training communicators' connections. These messages
+protect the control plane (who is dead, who takes which rank, when to stop), not the
+training data; the README's threat model lists every key.
 """
 
 from __future__ import annotations

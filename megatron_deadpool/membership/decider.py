@@ -20,7 +20,7 @@ from ..errors import NoSpareError, StopReason
 from . import plan as plans
 from . import store as st
 from .local_restart import LocalRestarts
-from .procs import Proc, ProcState, Role, hung, observe  # noqa: F401 - Proc: this API
+from .procs import AgentClock, Proc, ProcState, Role, excuse_waiters, hung, observe  # noqa: F401
 from .store import CommandOp, EventKind
 
 
@@ -47,10 +47,11 @@ class Decider:
         self.plans: List[plans.Plan] = []
         self.finished = False
         self.failed_reason: Optional[str] = None
+        self.startup_error: Optional[str] = None  # "ExcType: message (first raised by rank R)"
         self._last_hb_poll = -1e18
         self._fault_time: Optional[float] = None
         self._failure_t = 0.0
-        self._agent_hb: Dict[int, tuple] = {}  # node -> (last value, when it changed)
+        self.agents = AgentClock(self.config.heartbeat_timeout_s)
         self.coord = st.Coordinator(self.store, self.token)
         self.rejected: List[dict] = []  # forged or replayed messages, never acted on
         self._waiting_logged = False
@@ -93,6 +94,8 @@ class Decider:
         for ev in self.coord.read_events(self.cursor):
             self.cursor += 1
             self._on_event(ev)
+            if self.finished:
+                return  # stopped (a fatal or a startup error): no plan follows
         now = self.clock()
         if now - self._last_hb_poll >= self.config.heartbeat_interval_s / 4:
             self._last_hb_poll = now
@@ -109,18 +112,16 @@ class Decider:
                    EventKind.EXIT: self._on_exit, EventKind.DONE: self._on_done,
                    EventKind.FAULT_REQUEST: self._on_fault_request,
                    EventKind.FATAL: self._on_fatal,
+                   EventKind.STARTUP_ERROR: self._on_startup_error,
                    EventKind.SPARE_NODE: self._on_spare_agent}.get(ev["kind"])
         if handler is not None:
             handler(ev)
 
     def _on_forged(self, ev: dict) -> None:
         self.rejected.append(ev)
-        claimed = ev.get("claimed", {})
         self.log(f"ignored an event that is not signed with the job secret "
-                 f"({ev['why']}): {str(claimed)[:120]}")
-        lid, nonce = claimed.get("lid"), claimed.get("nonce")
-        if claimed.get("kind") == EventKind.JOIN and isinstance(lid, int) and isinstance(nonce, str):
-            self.coord.answer_admission(lid, nonce, ok=False, why="wrong job secret")
+                 f"({ev['why']}): {str(ev.get('claimed', {}))[:120]}")
+        self.coord.refuse_forged_join(ev.get("claimed", {}))
 
     def _on_join(self, ev: dict) -> None:
         lid = ev["lid"]
@@ -156,15 +157,25 @@ class Decider:
         self.log(reason + "\n" + ev.get("traceback", ""))
         self.stop(reason)
 
+    def _on_startup_error(self, ev: dict) -> None:
+        """A process failed before it attached: a rank's error stops the job, naming it; a
+        standby spare's only takes it out of the pool (membership/startup.py says why)."""
+        p = self.procs.get(ev["lid"])
+        if p is not None and p.rank is not None and self.startup_error is None:
+            self.startup_error = f"{ev['error']} (first raised by rank {p.rank})"
+            self.stop(f"{StopReason.STARTUP.value}: {self.startup_error}")
+
     def _poll_heartbeats(self, now: float) -> None:
         live = [p for p in self.procs.values() if p.state == ProcState.ALIVE]
         if not live:
             return
         beats = self.coord.heartbeats([p.lid for p in live])
         for p in live:
-            if beats.get(p.lid) is not None:
-                observe(p, beats[p.lid], now)
+            hb = beats.get(p.lid)
+            if hb is not None and not observe(p, hb, now) and p.hb_rejected == 1:
+                self.log(f"ignored a replayed (older) heartbeat of process {p.lid}")
         self._poll_agents(now)
+        excuse_waiters(live, now, self.config)  # a silent member is judged, not its waiters
         for p in live:
             verdict = hung(p, now, self.config, self.gen, self._plan_t)
             if p.state == ProcState.ALIVE and verdict is not None:
@@ -175,16 +186,11 @@ class Decider:
         fencing possible; they can never rejoin since no plan names them again)."""
         for node in sorted({p.node for p in self.procs.values()}):
             val = self.coord.agent_heartbeat(node)
-            if val is None:
-                continue
-            last = self._agent_hb.get(node)
-            if last is None or last[0] != val:
-                self._agent_hb[node] = (val, now)
-            elif now - last[1] > self.config.heartbeat_timeout_s:
-                for p in self.procs.values():
-                    if p.node == node and p.state in (ProcState.ALIVE, ProcState.STARTING):
-                        self._declare_dead(p, f"node {node} lost (agent heartbeat stale for "
-                                              f"{now - last[1]:.1f}s)", last[1])
+            since = None if val is None else self.agents.observe(node, val, now)
+            for p in self.procs.values() if since is not None else ():
+                if p.node == node and p.state in (ProcState.ALIVE, ProcState.STARTING):
+                    self._declare_dead(p, f"node {node} lost (agent heartbeat stale for "
+                                          f"{now - since:.1f}s)", since)
 
     def _fence(self, p: Proc, why: str, since: float) -> None:
         self.log(f"fencing process {p.lid} (rank {p.rank}, node {p.node}): {why}")
@@ -219,7 +225,7 @@ class Decider:
             p = self.procs[lid]
             peers = [q for q in self.procs.values() if q.node == p.node and q.lid != lid
                      and q.state in (ProcState.ALIVE, ProcState.DONE)]
-            if not self.local.eligible(p.rank, self._agent_alive(p.node), len(peers)):
+            if not self.local.eligible(p.rank, self.agents.alive(p.node, self.clock()), len(peers)):
                 continue
             new = self.new_lid()
             self.procs[new] = Proc(lid=new, node=p.node, role=Role.SPARE)
@@ -233,10 +239,6 @@ class Decider:
                     if self.procs[lid].state == ProcState.STARTING]
         return bool(starting) and self.clock() - self.first_dead_t < \
             self.config.local_restart_wait_s
-
-    def _agent_alive(self, node: int) -> bool:
-        last = self._agent_hb.get(node)
-        return last is not None and self.clock() - last[1] <= self.config.heartbeat_timeout_s
 
     def _failed_nodes_complete(self) -> bool:
         """The grace window has nothing left to collect: every process of each node with

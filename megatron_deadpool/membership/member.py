@@ -19,6 +19,7 @@ import traceback
 from typing import Callable, Optional
 
 from ..errors import DeadpoolError, stopped
+from ..sections import SectionTracker
 from . import store as st
 from .plan import Plan
 from .store import EventKind
@@ -40,6 +41,7 @@ class Member:
         self.coord = st.Coordinator(self.store, secret)
         self.stop_reason: Optional[str] = None
         self.taken_gen = -1  # the newest plan this process took (heartbeats carry it)
+        self.sections = SectionTracker()  # the section heartbeats name (Deadpool.section)
         self._stop = threading.Event()
         self._watcher: Optional[threading.Thread] = None
 
@@ -62,8 +64,9 @@ class Member:
                 now = time.monotonic()
                 if now - last_hb >= self.heartbeat_interval_s:
                     seq += 1
-                    client.beat(self.lid, seq=seq, **status())
-                    last_hb = now
+                    sec = self.sections.status()
+                    client.beat(self.lid, seq=seq, **status(), **sec)
+                    self.sections.sent, last_hb = sec["section_n"], now
                 if self.stop_reason is None:
                     reason = client.shutdown_reason()
                     if reason is not None:
@@ -74,6 +77,14 @@ class Member:
                     return
                 time.sleep(0.5)
             time.sleep(WATCH_POLL_S)
+
+    def wait_beat_of_section(self) -> None:
+        """Wait (at most three heartbeat intervals) until a heartbeat named the current
+        section: a scheduled test fault that stops this process inside a section must find
+        the decider knowing that section."""
+        deadline = time.monotonic() + 3 * self.heartbeat_interval_s
+        while self.sections.sent < self.sections.entered and time.monotonic() < deadline:
+            time.sleep(WATCH_POLL_S / 4)
 
     def close(self) -> None:
         """Stop the watcher and wait for it. It is a daemon thread that spends its time in
@@ -106,11 +117,17 @@ class Member:
         plan follows once replacements are ready)."""
         return self.coord.current_gen() > gen or self.coord.is_failing(gen)
 
-    def report_fatal(self, rank: int, exc: BaseException) -> None:
+    def report_fatal(self, rank: int, exc: BaseException, attached: bool = True) -> None:
         """Tell the decider this rank stops on an error recovery must not handle: the job
-        stops with it instead of spending a spare (best effort: the coordinator may be gone)."""
+        stops with it instead of spending a spare (best effort: the coordinator may be gone).
+        Before it ``attached`` (the model build), a startup error (``startup.py``)."""
+        from .startup import fields
+
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         try:
+            if not attached:
+                self.push_event(EventKind.STARTUP_ERROR, rank=rank, **fields(exc))
+                return
             self.push_event(EventKind.FATAL, rank=rank, error=f"{type(exc).__name__}: {exc}"[:500],
                             traceback=text[-4000:])
         except Exception:  # noqa: BLE001 - the coordinator is gone: nothing to tell
@@ -151,6 +168,24 @@ class Member:
         """Abortable rendezvous (``store.arrive``); raises GenerationMoved or JobStopped."""
         st.arrive(self.coord, gen, world_size, self.rendezvous_timeout_s,
                   stop=self.raise_if_stopped)
+
+    def wait_until_ready(self, gen: int, world_size: int, timeout_s: float) -> None:
+        """Before generation ``gen``'s restore exchange: every member can take part in it.
+        A promoted spare first builds its model and optimizer and allocates its slots (tens
+        of seconds on a GPU node), longer than the operation deadline the survivors' restore
+        runs under. Abortable like ``arrive``: a newer generation, a member declared dead (a
+        spare that died while building stops heartbeating) or a stop ends the wait at once
+        (GenerationMoved, JobStopped). DeadpoolError after ``timeout_s``."""
+        def moved() -> None:
+            self.raise_if_stopped()
+            if self.coord.is_failing(gen):
+                raise st.GenerationMoved(f"a member of generation {gen} failed")
+
+        try:
+            st.arrive(self.coord, gen, world_size, timeout_s, stop=moved, barrier="ready")
+        except TimeoutError as exc:
+            raise DeadpoolError(f"{exc}: a promoted spare did not build its model in time "
+                                "(--deadpool-spare-ready-timeout)") from None
 
     # -------------------------------------------------------------- reports
     def push_event(self, kind: EventKind, **fields) -> None:

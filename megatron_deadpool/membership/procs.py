@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
+from ..sections import GIL_SECTIONS, Section
 from .store import WorkerState
 
 
@@ -30,6 +31,9 @@ class Proc:
     state: str = ProcState.STARTING
     hb_seq: int = -1
     hb_change: float = 0.0
+    hb_section: str = Section.STARTUP.value  # the section its last heartbeat named
+    hb_section_n: int = 0  # how many sections it had entered by then (a new entry: progress)
+    hb_rejected: int = 0  # heartbeats that did not advance (gen, seq): replays, never life
     hb_iteration: int = 0
     hb_committed: int = -1
     hb_gen: int = -1  # the newest plan it took
@@ -38,35 +42,92 @@ class Proc:
     exit_code: Optional[int] = None
 
 
-def observe(p: Proc, hb: dict, now: float) -> None:
-    """Take a heartbeat record into ``p``: a new sequence number is a sign of life; a new
-    iteration, or any state but ACTIVE (recovering, done), is progress."""
-    if hb["seq"] != p.hb_seq:
-        p.hb_seq, p.hb_change = hb["seq"], now
-    if hb["iteration"] != p.hb_iteration or hb["state"] != WorkerState.ACTIVE:
+def observe(p: Proc, hb: dict, now: float) -> bool:
+    """Take a heartbeat record into ``p``. Only a heartbeat whose (generation, sequence
+    number) is strictly newer than the last one taken is a sign of life; an older one (a
+    captured heartbeat written back) is rejected: False, counted in ``p.hb_rejected``. The
+    same one read again is no news. A taken heartbeat is progress when it names a new
+    iteration, a section entered since, or any state but ACTIVE (recovering, done)."""
+    key, last = (hb.get("gen", -1), hb["seq"]), (p.hb_gen, p.hb_seq)
+    if key <= last:
+        if key < last:
+            p.hb_rejected += 1
+            return False
+        return True
+    p.hb_seq, p.hb_change, p.hb_gen = hb["seq"], now, key[0]
+    section = (hb.get("section", Section.STEP.value), hb.get("section_n", 0))
+    if (hb["iteration"] != p.hb_iteration or hb["state"] != WorkerState.ACTIVE
+            or section != (p.hb_section, p.hb_section_n)):
         p.hb_iteration, p.progress_change = hb["iteration"], now
-    p.hb_committed, p.hb_gen = hb["committed"], hb.get("gen", p.hb_gen)
-    p.hb_state = hb["state"]
+    p.hb_section, p.hb_section_n = section
+    p.hb_committed, p.hb_state = hb["committed"], hb["state"]
+    return True
+
+
+def silent(p: Proc, now: float, cfg) -> bool:
+    """A member whose heartbeat is older than the heartbeat timeout (maybe tolerated, in a
+    section that may hold the GIL): the others may be waiting for it."""
+    return p.rank is not None and now - p.hb_change > cfg.heartbeat_timeout_s
+
+
+def excuse_waiters(live, now: float, cfg) -> None:
+    """While a member is ``silent``, the members with fresh heartbeats and no progress are
+    most likely waiting for it in a collective: their progress clock restarts, so that the
+    silent one is judged (by its heartbeat or section timeout), not those waiting for it,
+    and they get a full timeout again once it is replaced."""
+    if any(silent(q, now, cfg) for q in live):
+        for p in live:
+            if p.rank is not None and not silent(p, now, cfg):
+                p.progress_change = now
 
 
 def hung(p: Proc, now: float, cfg, gen: int, plan_t: float) -> Optional[Tuple[str, float]]:
     """(why, since) if the live process ``p`` must be fenced, else None (pure):
 
-    * its heartbeat is stale (SIGSTOP, a frozen node);
-    * a member makes no progress (a hang inside a step);
+    * its heartbeat is stale (SIGSTOP, a frozen node) for the heartbeat timeout; a rank in
+      a section that may hold the GIL (startup, save, eval, data: the heartbeat thread cannot
+      run there) for that section's timeout instead;
+    * a member makes no progress (a new iteration, or a section change) for its current
+      section's timeout (--deadpool-progress-timeout in the step section; a wait for a
+      silent peer is not counted: ``excuse_waiters``);
     * a member of the newest generation (after a failure, published at ``plan_t``) that was
       training (attached: active or recovering) has not taken its plan in time: it is blocked
       where the abort did not reach it, and the others would wait for it at the rendezvous
       until their timeout. A member still starting up (imports, model build) is not judged
       by this: its startup may outlast the take-plan timeout on a loaded machine.
     """
-    if now - p.hb_change > cfg.heartbeat_timeout_s:
-        return f"heartbeat stale for {now - p.hb_change:.1f}s", p.hb_change
+    section_s = cfg.section_timeout_s(p.hb_section)
+    gil = p.rank is not None and p.hb_section in GIL_SECTIONS
+    if now - p.hb_change > (section_s if gil else cfg.heartbeat_timeout_s):
+        where = f" in section {p.hb_section} (timeout {section_s:g}s)" if gil else ""
+        return f"heartbeat stale for {now - p.hb_change:.1f}s{where}", p.hb_change
     if p.rank is None:
         return None
-    if now - p.progress_change > cfg.progress_timeout_s:
-        return f"no progress for {now - p.progress_change:.1f}s", p.progress_change
+    if now - p.progress_change > section_s:
+        return (f"no progress for {now - p.progress_change:.1f}s in section {p.hb_section} "
+                f"(timeout {section_s:g}s)", p.progress_change)
     training = p.hb_state in (WorkerState.ACTIVE, WorkerState.RECOVERING)
     if training and gen >= 1 and p.hb_gen < gen and now - plan_t > cfg.take_plan_timeout_s:
         return f"did not take generation {gen}'s plan in {now - plan_t:.1f}s", plan_t
     return None
+
+
+class AgentClock:
+    """Node agents' heartbeat counters. Only a larger counter is life (a replayed, older
+    one is not); a node whose counter has not grown for the heartbeat timeout is lost."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._grew: Dict[int, Tuple[int, float]] = {}  # node -> (counter, when it grew)
+
+    def observe(self, node: int, counter: int, now: float) -> Optional[float]:
+        """Take ``node``'s counter; when the node is lost, since when (else None)."""
+        last = self._grew.get(node)
+        if last is None or counter > last[0]:
+            self._grew[node] = (counter, now)
+            return None
+        return last[1] if now - last[1] > self.timeout_s else None
+
+    def alive(self, node: int, now: float) -> bool:
+        last = self._grew.get(node)
+        return last is not None and now - last[1] <= self.timeout_s

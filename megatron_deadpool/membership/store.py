@@ -14,6 +14,8 @@ below marked (signed) is sealed with the job secret for its slot (``auth.py``). 
     dp/failing/{g}                 a member of generation g was declared dead; its
                                    replacement plan may take a while (signed, gen)
     dp/arrived/{g}, .../all        abortable rendezvous before generation g's world forms
+    dp/ready/{g}, .../all          abortable barrier before generation g's restore: every
+                                   member, a promoted spare too, can receive (model built)
     dp/hb/{lid}, dp/agent_hb/{n}   worker and node-agent heartbeats (signed)
     dp/cmd/{node}/n, .../{i}       commands for a node agent (signed, node and i; CommandOp)
     dp/inject/{i}                  counter: the first process to reach fault i claims it
@@ -44,6 +46,7 @@ class EventKind(str, enum.Enum):
     EXIT = "exit"                    # its node agent saw a process exit (lid, code)
     DONE = "done"                    # a rank finished training
     FATAL = "fatal"                  # a rank stops on a local error (error, traceback)
+    STARTUP_ERROR = "startup_error"  # a process fails before it attached (startup.py)
     FAULT_REQUEST = "fault_request"  # a scheduled test fault fired (index, iteration)
     SPARE_NODE = "spare_node"        # an agent offers a spare node (procs, nonce)
     FORGED = "forged"                # not a sender's kind: a message that did not verify
@@ -94,8 +97,9 @@ def get_json(store, key: str) -> Any:
 
 class Coordinator:
     """The store as job members use it: every message sealed with the job secret (see
-    ``auth.py``) and opened only if it verifies for its slot. Forged, replayed or unsigned
-    messages are never acted on (events come back as kind "forged")."""
+    ``auth.py``) and opened only if it verifies for its slot. Forged, unsigned or misplaced
+    (copied to another slot) messages are never acted on (events come back as kind
+    "forged"); a genuine one written back to its own slot is left to its reader (``auth``)."""
 
     def __init__(self, store, secret: str):
         self.raw, self.secret = store, secret
@@ -205,6 +209,12 @@ class Coordinator:
         self.raw.set(k("admit", lid, nonce), auth.seal(
             self.secret, {"lid": lid, "nonce": nonce, "ok": ok, "why": why}))
 
+    def refuse_forged_join(self, claimed: dict) -> None:
+        """A join request that did not verify is refused, so its sender stops waiting."""
+        lid, nonce = claimed.get("lid"), claimed.get("nonce")
+        if claimed.get("kind") == EventKind.JOIN and isinstance(lid, int) and isinstance(nonce, str):
+            self.answer_admission(lid, nonce, ok=False, why="wrong job secret")
+
     # -------------------------------------------------------------- shutdown
     def set_shutdown(self, reason: str) -> bool:
         if self.shutdown_reason() is not None:
@@ -279,17 +289,18 @@ class GenerationMoved(Exception):
 
 
 def arrive(coord: "Coordinator", gen: int, world_size: int, timeout_s: float,
-           stop=lambda: None, poll_s: float = 0.2) -> None:
+           stop=lambda: None, poll_s: float = 0.2, barrier: str = "arrived") -> None:
     """Abortable rendezvous before a generation's world is built: returns once all
     ``world_size`` members of generation ``gen`` arrived; raises GenerationMoved as soon as a
     newer generation exists (a member died meanwhile: nobody waits out a timeout for it).
     ``stop()`` may raise to abandon the wait (the job is shutting down). One counter and one
-    "all here" key per generation: O(1) store operations per member and poll."""
+    "all here" key per generation: O(1) store operations per member and poll. ``barrier``
+    names another barrier of the same generation (``ready``: every member can restore)."""
     from datetime import timedelta
 
     store = coord.raw
-    done = k("arrived", gen, "all")
-    if store.add(k("arrived", gen), 1) == world_size:
+    done = k(barrier, gen, "all")
+    if store.add(k(barrier, gen), 1) == world_size:
         store.set(done, "1")
     deadline = time.monotonic() + timeout_s
     while True:
@@ -302,5 +313,5 @@ def arrive(coord: "Coordinator", gen: int, world_size: int, timeout_s: float,
             raise GenerationMoved(f"generation {coord.current_gen()} replaced {gen}")
         stop()
         if time.monotonic() > deadline:
-            raise TimeoutError(f"generation {gen}: only {store.add(k('arrived', gen), 0)} of "
-                               f"{world_size} members arrived in {timeout_s:.0f}s")
+            raise TimeoutError(f"generation {gen}: only {store.add(k(barrier, gen), 0)} of "
+                               f"{world_size} members {barrier} in {timeout_s:.0f}s")

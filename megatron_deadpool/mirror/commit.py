@@ -17,11 +17,35 @@ Two ways to know it, chosen once per attach (``Protected.attach``):
   Until then k-1 stays intact everywhere: no rank starts job k+1 (which overwrites k-1's
   slot) before that all-reduce. A copy that failed its verify is never held (``recv_iter``
   stays -1, so no restore uses it) and its holder does not commit that iteration.
+
+  Nor does anyone else: only the holder sees its verify fail, so it posts the iteration on
+  a :class:`RejectionBoard` (one key in the generation's store) before its job ends, and
+  every rank checks that key when it settles the iteration. By the argument above the post
+  is there by then (a rank settles k after step k+1 returned, which the holder entered only
+  after its job k ended), so every rank agrees on ``committed`` as with the collective,
+  with no collective of its own: one store ``check`` per snapshot job, on the mirror thread.
 """
 
 from __future__ import annotations
 
 from typing import Optional
+
+REJECTED_KEY = "deadpool-mirror-rejected/"
+
+
+class RejectionBoard:
+    """Implicit commits' one cross-rank signal, written only on failure: the iterations of
+    which some holder rejected a copy. ``store``: the generation's (world.py prefixes it per
+    generation, so a redone iteration after a recovery starts clean)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def post(self, iteration: int) -> None:
+        self.store.set(f"{REJECTED_KEY}{iteration}", "1")
+
+    def posted(self, iteration: int) -> bool:
+        return self.store.check([f"{REJECTED_KEY}{iteration}"])
 
 
 class CommitTracker:
@@ -30,6 +54,7 @@ class CommitTracker:
         self.committed = -1
         self.failed = 0  # iterations whose copies did not all verify here (or anywhere)
         self._verified: Optional[int] = None  # implicit: done here, not yet proven elsewhere
+        self.board: Optional[RejectionBoard] = None  # implicit: rejections made elsewhere
 
     def collective(self, iteration: int, all_ok: bool) -> bool:
         """The world's vote on ``iteration``; True if it committed."""
@@ -46,13 +71,22 @@ class CommitTracker:
         if not ok:
             self.failed += 1
 
+    def rejected(self, iteration: int) -> None:
+        """A copy of ``iteration`` failed its check here: posted for every rank's ``settle``
+        (the collective commit needs no post: its vote carries it)."""
+        if self.board is not None:
+            self.board.post(iteration)
+
     def settle(self, step: int) -> Optional[int]:
         """Implicit: optimizer step ``step`` has returned on this rank. Returns the iteration
-        that committed now, if any."""
+        that committed now, if any: not one that a holder anywhere rejected (the board)."""
         it = self._verified
         if it is None or it >= step:
             return None
         self._verified = None
+        if self.board is not None and self.board.posted(it):
+            self.failed += 1
+            return None
         self.committed = it
         return it
 

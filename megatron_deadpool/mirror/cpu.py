@@ -20,7 +20,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Dict, Iterable, Optional
 
 import torch
 
@@ -137,3 +137,19 @@ def snapshot_stats(copy_times, nbytes: int, calib: Optional[dict], drop: int = 3
         out["copy_cold_gbps"] = nbytes / cold / 1e9 if cold else None
         out["checksum_gbps"] = nbytes / calib["crc_s"] / 1e9 if calib["crc_s"] else None
     return out
+
+
+class PhaseClock:
+    """Adds the thread's CPU seconds since the previous lap to ``into[name]`` (None: off)."""
+
+    def __init__(self, into: Optional[Dict[str, float]]):
+        self.into, self.t = into, time.thread_time() if into is not None else 0.0
+
+    def lap(self, name: str) -> None:
+        if self.into is not None:
+            t = time.thread_time()
+            self.into[name] += t - self.t
+            self.t = t
+
+
+NO_CLOCK = PhaseClock(None)

@@ -15,9 +15,6 @@ log = logging.getLogger(__name__)
 
 
 class HeldCopies:
-    def has_local(self, iteration: int) -> bool:
-        return iteration >= 0 and self.own_iter[iteration % 2] == iteration
-
     def holds_copy(self, owner: int, iteration: int) -> bool:
         its = self.recv_iter.get(owner)
         return its is not None and iteration >= 0 and its[iteration % 2] == iteration

@@ -25,28 +25,13 @@ import torch
 from ..errors import MirrorCorruptError, MirrorError
 from . import d2h, flat, placement, snapshot
 from .commit import CommitTracker
+from .cpu import NO_CLOCK, PhaseClock
 from .held import HeldCopies
 from .threads import lower_thread_priority
 from .transport import MirrorTransport
 
 TensorsFn = Callable[[], Sequence[Tuple[str, torch.Tensor]]]
 PHASES = ("copy", "seal", "exchange", "verify")  # a snapshot job's parts (phase_cpu)
-
-
-class _PhaseClock:
-    """Adds the thread's CPU seconds since the previous lap to ``into[name]`` (None: off)."""
-
-    def __init__(self, into: Optional[Dict[str, float]]):
-        self.into, self.t = into, time.thread_time() if into is not None else 0.0
-
-    def lap(self, name: str) -> None:
-        if self.into is not None:
-            t = time.thread_time()
-            self.into[name] += t - self.t
-            self.t = t
-
-
-_NO_CLOCK = _PhaseClock(None)
 
 
 class Mirror(HeldCopies):
@@ -64,9 +49,9 @@ class Mirror(HeldCopies):
         self._tensors_fn: Optional[TensorsFn] = None
         self._tensors: Optional[List[torch.Tensor]] = None
         self._stale = False
-        self.relayouts = 0
         self.commits = CommitTracker()
-        self.on_commit_failed: Optional[Callable[[int], None]] = None
+        self.rejected_copies = 0  # copies this rank received that failed their check
+        self.discard_from: Optional[int] = None  # the 'drop' test fault: see drop_arrivals
         self.layout: Optional[snapshot.Layout] = None
         self.own: List[torch.Tensor] = []
         self.own_iter = [-1, -1]
@@ -122,8 +107,7 @@ class Mirror(HeldCopies):
             layout = snapshot.Layout(named, self.meta_capacity)
             if self.layout is not None and layout.layout_id == self.layout.layout_id:
                 return self.layout
-            if self.layout is not None:
-                self.relayouts += 1  # e.g. an optimizer whose state differs from placeholders
+            if self.layout is not None:  # e.g. an optimizer whose state differs from placeholders
                 self._sizes = None
             self.layout = layout
             self.own = [snapshot.alloc_slot(self.layout.total_bytes, self.pin) for _ in range(2)]
@@ -230,7 +214,7 @@ class Mirror(HeldCopies):
         return box.get("result")
 
     def _snapshot_job(self, iteration: int, meta: dict, event) -> None:
-        clock = _PhaseClock(self.phase_cpu)
+        clock = PhaseClock(self.phase_cpu)
         if self.commits.implicit:  # step ``iteration`` has returned: see commit.py
             done = self.commits.settle(iteration)
             if done is not None:
@@ -252,6 +236,8 @@ class Mirror(HeldCopies):
 
     fault_hook: Optional[Callable[[int], None]] = None
     on_committed: Optional[Callable[[int], None]] = None
+    # (holder, owner, iteration, why), on the mirror thread: recovery/alarms.py
+    on_copy_rejected: Optional[Callable[[int, int, int, str], None]] = None
     job: int = 0  # snapshot.job_id(secret): copies of another job are refused
 
     def _maybe_fault(self, iteration: int) -> None:
@@ -272,7 +258,7 @@ class Mirror(HeldCopies):
         # restorable, until a newer iteration commits (see _exchange_and_commit).
 
     def _exchange_and_commit(self, iteration: int, skip=frozenset(),
-                             collective: bool = False, clock: Optional[_PhaseClock] = None) -> None:
+                             collective: bool = False, clock: Optional[PhaseClock] = None) -> None:
         """Send this rank's slot to its buddies, receive its owners' slots, verify, commit
         (implicitly later unless ``collective``: commit.py). ``skip``: (owner, holder) pairs
         whose copy of ``iteration`` is already in place. Without replicas the local copy
@@ -289,24 +275,36 @@ class Mirror(HeldCopies):
         mine = snapshot.sealed(self.own[idx])
         self.transport.exchange([(b, mine) for b in self.buddies if (self.rank, b) not in skip],
                                 [(o, self.recv[o][idx]) for o in owners])
-        clock = clock or _NO_CLOCK  # recovery's exchanges are not snapshot jobs
+        clock = clock or NO_CLOCK  # recovery's exchanges are not snapshot jobs
         clock.lap("exchange")
         ok = True
         for o in owners:  # the header here; the checksum once the copy is needed (held.py)
             try:
+                if self.discard_from is not None and iteration >= self.discard_from:
+                    self.recv[o][idx][:8].zero_()  # as if it never arrived: no magic
                 snapshot.verify(self.recv[o][idx], o, iteration, job=self.job,
                                 load_meta=False, checksum=False)
                 self.recv_iter[o][idx] = iteration
-            except MirrorCorruptError:
+            except MirrorCorruptError as exc:
                 ok = False
+                self._rejected(o, iteration, str(exc))
         clock.lap("verify")
         if self.commits.implicit and not collective:
             self.commits.verified(iteration, ok)
         elif self.commits.collective(iteration, self.transport.all_ok(ok)):
             self._drop_superseded()
-            return
-        if not ok and self.on_commit_failed is not None:
-            self.on_commit_failed(iteration)
+
+    def _rejected(self, owner: int, iteration: int, why: str) -> None:
+        """A received copy failed its check: counted, reported, and posted for the implicit
+        commit before this job ends (commit.py)."""
+        self.rejected_copies += 1
+        self.commits.rejected(iteration)
+        if self.on_copy_rejected is not None:
+            self.on_copy_rejected(self.rank, owner, iteration, why)
+
+    def drop_arrivals(self, iteration: int) -> None:
+        """The 'drop' test fault (faults.py): reject every copy of ``iteration`` and later."""
+        self.discard_from = iteration
 
     def _drop_superseded(self) -> None:
         for o in [o for o in self.recv if o not in self.holds]:

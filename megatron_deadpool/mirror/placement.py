@@ -96,19 +96,3 @@ def holders_of(buddy_lists: Sequence[Sequence[int]]) -> List[List[int]]:
                 raise ValueError(f"rank {owner} has buddy {b}, outside 0..{world - 1}")
             out[b].append(owner)
     return [sorted(x) for x in out]
-
-
-def received_bytes_per_node(rank_to_node: Sequence[Hashable],
-                            buddy_lists: Sequence[Sequence[int]],
-                            bytes_per_rank: Sequence[int]) -> Dict[Hashable, int]:
-    """Bytes of mirror copies each node receives (every node hosting a rank appears, 0 if
-    it receives nothing). ``bytes_per_rank[r]`` is the size of rank r's copy."""
-    world = len(rank_to_node)
-    if len(buddy_lists) != world or len(bytes_per_rank) != world:
-        raise ValueError(f"rank_to_node has {world} ranks but buddy_lists has "
-                         f"{len(buddy_lists)} and bytes_per_rank {len(bytes_per_rank)}")
-    out: Dict[Hashable, int] = {node: 0 for node in rank_to_node}
-    for owner, bs in enumerate(buddy_lists):
-        for b in bs:
-            out[rank_to_node[b]] += bytes_per_rank[owner]
-    return out

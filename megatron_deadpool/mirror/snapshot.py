@@ -5,22 +5,23 @@ Slot format (little endian)::
 
     +------------- header: 9 x int64, padded to 128 bytes ------+------------+-----------+
     | magic | owner rank | iteration | tensor bytes | meta bytes |  tensors   | meta blob |
-    | crc   | layout id  | tensor end| job id                    | (packed)   | (pickle)  |
+    | crc   | layout id  | tensor end| job id                    | (packed)   | (values)  |
     +------------------------------------------------------------+------------+-----------+
 
 The checksum (CRC-32C over per-chunk CRC-32Cs, see ``_crc``) covers tensors and metadata; it
 is verified before anything is restored, and a copy of another job (job id: a hash of the job
 secret), owner, iteration or layout (layout id: a hash of every tensor's name, shape and
-dtype) is refused the same way. Format 2 (magic ``DPOOLMI2``): CRC-32C (the ``crc32c``
-package: the SSE4.2 / ARMv8 CRC instruction, 20+ GB/s on one core here, GIL released);
-format 1 (``DPOOLMIR``, zlib CRC-32 at ~3 GB/s) is recognised and refused by name.
+dtype) is refused the same way. Format 3 (magic ``DPOOLMI3``): CRC-32C (the ``crc32c``
+package: the SSE4.2 / ARMv8 CRC instruction, 20+ GB/s on one core here, GIL released), and
+metadata in a format that carries values only (``metadata.py``: reading a copy never runs
+code). Format 2 (``DPOOLMI2``: the same, with pickled metadata) and format 1 (``DPOOLMIR``,
+zlib CRC-32 at ~3 GB/s) are recognised and refused by name.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import pickle
 import struct
 import threading
 import time
@@ -33,9 +34,11 @@ import torch
 from crc32c import crc32c
 
 from ..errors import MirrorCorruptError
+from . import metadata
 from .threads import lower_thread_priority
 
-MAGIC = 0x44504F4F4C4D4932  # "DPOOLMI2": format 2, CRC-32C
+MAGIC = 0x44504F4F4C4D4933  # "DPOOLMI3": format 3, CRC-32C, metadata.py's metadata
+MAGIC_V2 = 0x44504F4F4C4D4932  # "DPOOLMI2": format 2, pickled metadata (refused)
 MAGIC_V1 = 0x44504F4F4C4D4952  # "DPOOLMIR": format 1, zlib CRC-32 (refused)
 HEADER_WORDS = 9
 ALIGN = 64
@@ -187,7 +190,7 @@ def _crc(slot: torch.Tensor, tensor_end: int, meta_len: int) -> int:
 def seal(slot: torch.Tensor, layout: Layout, owner: int, iteration: int, meta: dict,
          job: int = 0) -> None:
     """Write the metadata blob, checksum and header (host side, after the tensor copy)."""
-    blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+    blob = metadata.encode(meta)
     if len(blob) > layout.meta_capacity:
         raise MirrorCorruptError(f"snapshot metadata is {len(blob)} bytes, capacity "
                                  f"{layout.meta_capacity}")
@@ -233,7 +236,10 @@ def verify(slot: torch.Tensor, owner: int, iteration: int, layout: "Layout | Non
     where = f"mirror copy of rank {owner} iteration {iteration}"
     if h["magic"] == MAGIC_V1:
         raise MirrorCorruptError(f"{where}: snapshot format 1 (zlib CRC-32) of an older "
-                                 f"DeadPool; this version reads format 2 only")
+                                 f"DeadPool; this version reads format 3 only")
+    if h["magic"] == MAGIC_V2:
+        raise MirrorCorruptError(f"{where}: snapshot format 2 (pickled metadata) of an older "
+                                 f"DeadPool; this version reads format 3 only")
     if h["magic"] != MAGIC:
         raise MirrorCorruptError(f"{where}: bad magic (never written or overwritten)")
     if h["job"] != job:
@@ -257,7 +263,7 @@ def verify(slot: torch.Tensor, owner: int, iteration: int, layout: "Layout | Non
     if not load_meta:
         return None
     blob = slot[h["tensor_end"]:h["tensor_end"] + h["meta_len"]].numpy().tobytes()
-    return pickle.loads(blob)
+    return metadata.decode(blob)
 
 
 def copy_tensors_out(slot: torch.Tensor, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:

@@ -6,24 +6,34 @@ gloo each message costs a ``Work`` object, Python dispatch, and wake-ups and rea
 group's I/O thread; here one selector loop on the calling thread writes and reads the
 bytes straight from and into the slots (``docs/benchmarks.md`` has the CPU before/after).
 
-    sender r                                  receiver b (a buddy of r)
-    connect on first send, hello (magic, r) ─► listener (address in the generation's store)
-    [u64 length][the sealed slot]           ─► recv_into(b's receive slot for r), checked
+    sender s                                     listener l (a buddy of s)
+    address of l: sealed in the generation's store, opened with the job secret
+    connect, HELLO (magic, s, nonce_s)        ─►  accept thread: a handshake per connection
+                                              ◄─  CHALLENGE (magic, nonce_l, proof_l)
+    checks proof_l; RESPONSE (proof_s)        ─►  checks proof_s: the connection is s's
+    [u64 length][the sealed slot]             ─►  recv_into(l's receive slot for s), checked
+
+Both ends prove that they hold the job secret, bound to this generation, both ranks and
+fresh nonces (``handshake.py`` has the exact binding); a sender connects only to an address
+sealed with the secret for this generation and rank (``membership/auth.py``). A connection
+that fails is closed with one warning line and counted (``refused``).
 
 ``timeout_s`` bounds the time in which no byte moves (a multi-GB slot may take longer in
 all). One connection per (sender, receiver) pair, made on first use, lives for the generation
 (a new generation makes a new transport; the old one is closed with its gloo group). The
-recovery's abort shuts every connection of the process down (``recovery/abort.py``), which
-wakes a loop blocked here at once; a peer that just vanishes ends the call at its deadline.
+recovery's abort calls ``abort`` here (``World.on_abort``), which shuts these connections
+down and wakes a loop blocked here at once; a peer that just vanishes ends the call at its deadline.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import selectors
 import socket
 import struct
+import threading
 import time
 from datetime import timedelta
 from typing import Dict, List, Optional
@@ -31,10 +41,12 @@ from typing import Dict, List, Optional
 import torch
 
 from ..errors import MirrorError, TransportTimeout
+from ..membership import auth
+from . import handshake
 from .transport import MirrorTransport
 
-HELLO = struct.Struct("<QQ")  # magic, sender rank
-HELLO_MAGIC = 0x44504F4F4C534B31  # "DPOOLSK1"
+log = logging.getLogger(__name__)
+
 LENGTH = struct.Struct("<Q")
 KEY = "deadpool-mirror-socket/"
 
@@ -80,18 +92,28 @@ class SocketTransport(MirrorTransport):
     kind = "socket"
 
     def __init__(self, store, rank: int, world_size: int, collectives: MirrorTransport,
-                 host: str, timeout_s: float = 600.0):
-        """``store``: this generation's (every member publishes its listener there);
-        ``collectives``: the transport ``all_ok`` / ``all_gather_*`` go to."""
+                 host: str, secret: str, gen: int, timeout_s: float = 600.0):
+        """``store``: this generation's (every member publishes its listener there, sealed);
+        ``collectives``: the transport ``all_ok`` / ``all_gather_*`` go to; ``secret``: the
+        job's (``auth.load_secret``), ``gen``: this generation, both bound into every
+        handshake."""
         self.store, self.rank, self.world_size = store, rank, world_size
         self.collectives, self.timeout_s = collectives, timeout_s
+        self.secret, self.gen = secret, gen
         self._listener = socket.create_server((host, 0), backlog=max(16, world_size))
         self._listener.setblocking(False)
-        self.store.set(f"{KEY}{rank}", f"{host}:{self._listener.getsockname()[1]}")
         self._out: Dict[int, socket.socket] = {}
         self._in: Dict[int, socket.socket] = {}
+        self._replaced: List[socket.socket] = []  # a peer's older connections, closed at release
+        self._arrived = threading.Condition()  # the accept thread hands connections over
         self._sel = selectors.DefaultSelector()
         self._aborted = False
+        self.refused = 0  # connections closed in the handshake (warned about one by one)
+        self._gate = handshake.Gate(self._listener, secret, gen, rank, world_size,
+                                    min(handshake.HANDSHAKE_S, timeout_s), self._admit,
+                                    self._refuse)
+        self.store.set(f"{KEY}{rank}", auth.seal(secret, {
+            "gen": gen, "rank": rank, "addr": f"{host}:{self._listener.getsockname()[1]}"}))
 
     # ------------------------------------------------------------------ connections
     def _remaining(self, deadline: float, what: str) -> float:
@@ -100,58 +122,62 @@ class SocketTransport(MirrorTransport):
             raise TransportTimeout(f"mirror {what}: no answer in {self._limit:g}s")
         return left
 
-    def _out_conn(self, dst: int, deadline: float) -> socket.socket:
-        s = self._out.get(dst)
-        if s is not None:
-            return s
+    def _address(self, dst: int, deadline: float) -> str:
+        """``dst``'s listener address, as ``dst`` sealed it for this generation."""
         key = f"{KEY}{dst}"
         try:
             self.store.wait([key], timedelta(seconds=self._remaining(deadline, "connect")))
         except Exception as exc:  # noqa: BLE001 - the store's timeout error type varies
             raise TransportTimeout(f"mirror connect: rank {dst} published no address in "
                                    f"{self._limit:g}s") from exc
-        host, port = self.store.get(key).decode().rsplit(":", 1)
+        try:
+            return auth.open_(self.secret, self.store.get(key), gen=self.gen, rank=dst)["addr"]
+        except auth.AuthError as exc:
+            raise PeerLost(f"mirror connect: the address of rank {dst} in the store is not "
+                           f"sealed with the job secret for generation {self.gen}: "
+                           f"{exc}") from None
+
+    def _out_conn(self, dst: int, deadline: float) -> socket.socket:
+        s = self._out.get(dst)
+        if s is not None:
+            return s
+        addr = self._address(dst, deadline)
+        host, port = addr.rsplit(":", 1)
         try:
             s = socket.create_connection((host, int(port)),
                                          timeout=self._remaining(deadline, "connect"))
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            s.sendall(HELLO.pack(HELLO_MAGIC, self.rank))
+            handshake.prove(s, self.secret, self.gen, self.rank, dst)
         except OSError as exc:
-            raise PeerLost(f"mirror connect to rank {dst} at {host}:{port}: {exc}") from exc
+            raise PeerLost(f"mirror connect to rank {dst} at {addr}: {exc}") from exc
         s.setblocking(False)
         self._out[dst] = s
         return s
 
     def _in_conn(self, src: int, deadline: float) -> socket.socket:
-        while src not in self._in:
-            self._sel.register(self._listener, selectors.EVENT_READ)
-            try:
-                ready = self._sel.select(self._remaining(deadline, "accept"))
-            finally:
-                self._sel.unregister(self._listener)
-            if not ready:
-                continue
-            try:
-                s, _ = self._listener.accept()
-            except BlockingIOError:
-                continue
-            except OSError as exc:  # shut down by abort()
-                raise PeerLost(f"mirror accept: {exc} (transport aborted)") from exc
-            s.settimeout(self._remaining(deadline, "accept"))
-            try:
-                magic, peer = HELLO.unpack(_read_exact(s, HELLO.size))
-            except OSError:
-                s.close()  # not a peer of ours (or it died while connecting)
-                continue
-            if magic != HELLO_MAGIC or not 0 <= peer < self.world_size:
-                s.close()
-                continue
-            s.setblocking(False)
+        """``src``'s connection, once the accept thread has verified it."""
+        with self._arrived:
+            while src not in self._in:
+                self._check_open()
+                self._arrived.wait(self._remaining(deadline, "accept"))
+            return self._in[src]
+
+    def _admit(self, peer: int, s: socket.socket) -> None:
+        """(accept thread) ``s`` proved to be ``peer``'s: the newest connection serves."""
+        s.setblocking(False)
+        with self._arrived:
             old = self._in.pop(peer, None)
             if old is not None:
-                old.close()
+                self._replaced.append(old)  # the mirror thread may still be reading it
             self._in[peer] = s
-        return self._in[src]
+            self._arrived.notify_all()
+
+    def _refuse(self, s: socket.socket, peer: str, why: str) -> None:
+        """(accept thread) Close a connection that failed the handshake: one warning line."""
+        self.refused += 1
+        log.warning("mirror listener of rank %d (generation %d) refused a connection from %s: "
+                    "%s", self.rank, self.gen, peer, why)
+        s.close()
 
     # ------------------------------------------------------------------ the exchange
     def exchange(self, sends, recvs, timeout_s=None) -> None:
@@ -198,7 +224,8 @@ class SocketTransport(MirrorTransport):
         return self.collectives.all_gather_json(obj, timeout_s)
 
     def _sockets(self) -> List[socket.socket]:
-        return [*self._out.values(), *self._in.values(), self._listener]
+        with self._arrived:
+            return [*self._out.values(), *self._in.values(), *self._replaced, self._listener]
 
     def _check_open(self) -> None:
         if self._aborted:
@@ -212,12 +239,16 @@ class SocketTransport(MirrorTransport):
                 s.shutdown(socket.SHUT_RDWR)  # wakes a select on it (a listener's too)
             except OSError:
                 pass
+        with self._arrived:
+            self._arrived.notify_all()  # an exchange waiting for a connection
 
     def release(self):
+        self._gate.stop()
         for s in self._sockets():
             s.close()
         self._out.clear()
         self._in.clear()
+        self._replaced.clear()
         self._sel.close()
         return self.collectives.release() if self.collectives is not None else None
 
@@ -279,14 +310,3 @@ class _Recv:
             return False
         except OSError as exc:
             raise PeerLost(f"mirror receive from rank {self.src}: {exc}") from exc
-
-
-def _read_exact(s: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = s.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("closed during the hello")
-        data += chunk
-    return bytes(data)
-

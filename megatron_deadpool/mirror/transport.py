@@ -52,8 +52,9 @@ class MirrorTransport(abc.ABC):
     def all_gather_json(self, obj, timeout_s: Optional[float] = None) -> List:
         """Every member's JSON-serializable object, in rank order."""
 
-    # Lifecycle. The generation's abort (recovery/abort.py) already shuts down every TCP
-    # connection of the process; ``abort`` wakes whatever that does not reach.
+    # Lifecycle. The generation's abort (recovery/abort.py) shuts down the connections of
+    # the communicators (the gloo group's among them) and then calls ``abort`` (World.on_abort),
+    # which wakes whatever that does not reach (the socket transport's own connections).
     def abort(self) -> None:
         """Make a call blocked in this transport end now, with an error (any thread)."""
 

@@ -5,22 +5,74 @@ dead or hung peer.
   group can block a serial abort), with ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` set so the
   failure surfaces as an exception instead of killing the process.
 * gloo: ``abort()`` does not free a thread blocked on a peer, and an old group keeps its
-  sockets open while referenced. We therefore shut down (``shutdown(SHUT_RDWR)``) every
-  established TCP connection of this process whose local or remote port is not the
-  coordinator store's. In a worker those are gloo's pairs (a socket the application opened
-  itself, e.g. a metrics client, would be shut down too: the price of not parsing gloo's
-  internals). Listening sockets are left alone. Every
-  pending gloo operation of this process then fails at once, and so do the peers' operations
-  that wait on this process: the abort cascades through the job within milliseconds.
+  sockets open while referenced. We therefore shut down (``shutdown(SHUT_RDWR)``) the
+  established TCP connections of the communicators being aborted. Every pending gloo
+  operation of this process then fails at once, and so do the peers' operations that wait
+  on this process: the abort cascades through the job within milliseconds.
+
+Which connections are the communicators': those that appeared while this process built them.
+Every group DeadPool creates is built inside :func:`communicator_sockets` (``World``'s
+``init_process_group`` and ``build_groups``, the mirror's gloo group), and gloo connects a
+group's full mesh before its constructor returns, so the sockets that exist after the block
+and not before it are that group's pairs. They are recorded by socket inode (``socket:[N]``
+in /proc/self/fd), not by descriptor number, which a later socket may reuse. Everything else
+survives an abort: the coordinator store's connections (also excluded by port), listening
+sockets, a metrics client, a remote data reader, and NCCL's bootstrap and proxy sockets
+(without a ``device_id``, as here, NCCL connects lazily, at a communicator's first
+collective, outside any block; its communicators are aborted by ``abort()``). Limits: a socket that another thread of this
+process opens during a group's creation is taken for the group's; a gloo group built with
+``TORCH_GLOO_LAZY_INIT=1`` connects later and is not recorded (DeadPool does not set it:
+world.py). The mirror's own TCP connections are its transport's to shut (``World.on_abort``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
 import traceback
-from typing import Iterable, List, Optional, Set
+from typing import Dict, Iterable, List, Optional, Set
+
+_owned: Set[int] = set()  # inodes of the sockets that this process's communicators opened
+_owned_lock = threading.Lock()
+
+
+def socket_inodes() -> Dict[int, int]:
+    """``{inode: fd}`` of this process's sockets (Linux /proc; empty elsewhere)."""
+    out = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out[int(target[len("socket:["):-1])] = int(name)
+    return out
+
+
+@contextlib.contextmanager
+def communicator_sockets():
+    """Build communicators inside this block: the sockets that appear in it are theirs, the
+    ones a later abort shuts down (see the module docstring). Recorded even if the block
+    fails (a half-built group's pairs are the abort's too)."""
+    before = set(socket_inodes())
+    try:
+        yield
+    finally:
+        now = set(socket_inodes())
+        with _owned_lock:
+            _owned.intersection_update(now)  # closed ones: their inodes are free again
+            _owned.update(now - before)
+
+
+def owned_socket_inodes() -> Set[int]:
+    with _owned_lock:
+        return set(_owned)
 
 def _ports(fd: int) -> Optional[tuple]:
     """(local port, remote port) of a connected TCP socket ``fd``; None for anything else
@@ -39,30 +91,27 @@ def _ports(fd: int) -> Optional[tuple]:
         s.close()
 
 
-def comm_socket_fds(keep_ports: Iterable[int]) -> List[int]:
-    """File descriptors of this process's connected TCP sockets whose local and remote
-    ports are not in ``keep_ports`` (the coordinator store's port). Only this process's own
+def comm_socket_fds(keep_ports: Iterable[int], owned: Iterable[int]) -> List[int]:
+    """File descriptors of this process's connected TCP sockets whose inode is in ``owned``
+    (the communicators', :func:`communicator_sockets`) and whose local and remote ports are
+    not in ``keep_ports`` (the coordinator store's port). Only this process's own
     descriptors are inspected: the cost grows with its connections, not the machine's."""
     keep: Set[int] = set(keep_ports)
     fds = []
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
+    for inode, fd in socket_inodes().items():
+        if inode not in owned:
             continue
-        if not target.startswith("socket:["):
-            continue
-        ports = _ports(int(name))
+        ports = _ports(fd)
         if ports is None or ports[0] in keep or ports[1] in keep:
             continue
-        fds.append(int(name))
-    return fds
+        fds.append(fd)
+    return sorted(fds)
 
 
-def shutdown_gloo_connections(store_port: int, extra_keep: Iterable[int] = ()) -> int:
-    """Shut down every gloo TCP connection of this process. Returns how many."""
+def shutdown_gloo_connections(store_port: int) -> int:
+    """Shut down the communicators' TCP connections in this process. Returns how many."""
     n = 0
-    for fd in comm_socket_fds([store_port, *extra_keep]):
+    for fd in comm_socket_fds([store_port], owned_socket_inodes()):
         try:
             s = socket.socket(fileno=os.dup(fd))
         except OSError:

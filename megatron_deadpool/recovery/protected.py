@@ -16,14 +16,18 @@ from ..errors import DeadpoolError
 from ..faults import Phase as FaultPhase
 from ..megatron import shard
 from ..megatron import train_state as ts
-from ..megatron.support import check_supported, step_barrier
-from ..mirror import cpu, persist, snapshot
+from ..megatron.support import check_supported, parallel_layout, step_barrier
+from ..mirror import cpu, snapshot
+from ..mirror.commit import RejectionBoard
 from ..mirror.mirror import Mirror
 from ..mirror.threads import lower_thread_priority, started_threads, thread_names
 from ..mirror.socket_transport import SocketTransport, local_address
 from ..mirror.transport import GlooTransport
 from . import restore
 from .quiet import CollectiveSuppressor
+from .abort import communicator_sockets
+from .alarms import Alarms, unprotected
+from .fallback import Fallback
 from .reaper import Reaper
 from .rebind import GroupSlots
 
@@ -34,18 +38,23 @@ REAPER_WAIT_S = 30.0  # for the old groups to die (the heap audit, the exit)
 class Protected:
     def __init__(self, replicas: int, mirror_timeouts_s: tuple, job_id: int = 0,
                  fallback_dir: Optional[str] = None, fallback_every: int = 0,
-                 mirror_transport: str = "socket", store_host: str = "127.0.0.1"):
+                 mirror_transport: str = "socket", store_host: str = "127.0.0.1",
+                 secret: Optional[str] = None):
         # (the mirror group's creation, each of its operations): see GlooTransport
         self.replicas, self.mirror_timeouts_s = replicas, mirror_timeouts_s
         # "socket": the exchange on connections of its own, on the interface that reaches
         # the store (socket_transport.py); "gloo": on the mirror's gloo group
         self.mirror_transport, self._store_host = mirror_transport, store_host
-        self.fallback_dir, self.fallback_every = fallback_dir, fallback_every
+        self.fallback = Fallback(fallback_dir, fallback_every, job_id)  # fallback.py
         self.job_id = job_id  # snapshot.job_id(secret): copies of another job are refused
+        self._secret = secret  # the socket transport's handshakes and signed addresses
+        self._refused = 0  # mirror connections refused by earlier generations' listeners
         self.model = self.optimizer = self.scheduler = self.train_state = None
         self.mirror: Optional[Mirror] = None
         self.slots: Optional[GroupSlots] = None
         self.reaper, self._transport, self._old_transport = Reaper(), None, None
+        self._board: Optional[RejectionBoard] = None  # this generation's (commit.py)
+        self.alarms = Alarms()  # mirror failures are loud (alarms.py)
         self.iteration = 0
         self.restored_meta: Optional[dict] = None
         self.bench_modes = []
@@ -96,37 +105,41 @@ class Protected:
         if why_not is not None and self.replicas:
             log.info("mirror commits with its own collective: %s", why_not)
         self.mirror.job = self.job_id
-        periodic = None
-        if self.fallback_dir and self.fallback_every:
-            world = handle.world_size  # stable: a spare takes the dead rank's id
-            periodic = lambda it: persist.periodic(  # noqa: E731
-                self.mirror, self.fallback_dir, self.fallback_every, world, it)
-        self.mirror.on_committed = periodic  # on the mirror thread, once per commit
+        self.mirror.on_copy_rejected = self.alarms.copy_rejected
+        # on the mirror thread, once per commit
+        self.mirror.on_committed = self.fallback.attach(self.mirror, handle)
         if self._transport is None:  # initialize_model_parallel did not run through us
             self.connect(plan)
         self.mirror.set_topology(self._transport, plan.node_of_rank)
+        self.mirror.commits.board = self._board
         self._initial_commit_pending = True
 
     def connect(self, plan) -> None:
         """Create the mirror's group: a world-wide collective, made right after the
         model-parallel groups, so that every group exists before any rank builds (a promoted
         spare) or restores its state."""
+        from torch.distributed import distributed_c10d as c10d
+
         names = cpu.GLOO_THREAD_NAMES
         before = thread_names()
         create_s, op_s = self.mirror_timeouts_s
-        self._transport = GlooTransport(timeout_s=op_s, create_timeout_s=create_s)
-        if self.mirror_transport == "socket" and self.replicas:
-            from torch.distributed import distributed_c10d as c10d
-
-            self._transport = SocketTransport(  # this generation's store (world.py)
-                c10d._get_default_store(), self._transport.rank, self._transport.world_size,
-                self._transport, local_address(self._store_host), timeout_s=op_s)
+        with communicator_sockets():  # the generation's abort shuts its connections down
+            self._transport = GlooTransport(timeout_s=op_s, create_timeout_s=create_s)
         # the mirror group's I/O thread and workers (training groups' threads existed before)
         self._gloo_tids = started_threads(before, names)
+        if self.mirror_transport == "socket" and self.replicas:
+            if self._secret is None:
+                raise DeadpoolError("the socket mirror transport needs the job secret")
+            self._transport = SocketTransport(  # this generation's store (world.py)
+                c10d._get_default_store(), self._transport.rank, self._transport.world_size,
+                self._transport, local_address(self._store_host), self._secret, plan.gen,
+                timeout_s=op_s)
         for tid in self._gloo_tids:
             lower_thread_priority(tid)
+        self._board = RejectionBoard(c10d._get_default_store())  # this generation's store
         if self.mirror is not None:
             self.mirror.set_topology(self._transport, plan.node_of_rank)
+            self.mirror.commits.board = self._board
 
     def _wrap_optimizer_step(self, optimizer, fault_points) -> None:
         orig = optimizer.step
@@ -150,7 +163,9 @@ class Protected:
         waited, self._wait_mark = m.wait_s - self._wait_mark, m.wait_s
         done = m.last_done  # (iteration, when its job ended), from the mirror thread
         lag = done[1] - self._t_begin if done and done[0] == iteration - 1 else None
-        return {"mirror_lag_s": lag, "mirror_wait_s": waited, "committed": m.committed}
+        return {"mirror_lag_s": lag, "mirror_wait_s": waited, "committed": m.committed,
+                "unprotected": unprotected(iteration, m.committed)}
+
 
     # ---------------------------------------------------------------- loop
     def before_step(self, iteration: int) -> None:
@@ -171,6 +186,7 @@ class Protected:
         if len(self.bench_modes) == self.CPU_WINDOW_START:
             self._cpu_start = self._cpu_sample(c0, with_threads=True)
         if mirror_on:
+            self.alarms.step(self.mirror.rank, iteration, self.mirror.committed)
             self._t_begin = time.perf_counter()
             self.mirror.begin(iteration, self._meta(iteration))
         c1 = time.thread_time()
@@ -209,11 +225,17 @@ class Protected:
         self._old_transport, self._transport = self._transport, None
         self.mirror.transport = None
 
+    def abort_transport(self) -> None:
+        """``World.on_abort`` (any thread): the transport's own sockets are not abort.py's."""
+        if self._transport is not None:
+            self._transport.abort()
+
     def release_groups(self) -> None:
         """Once the world is destroyed: the old groups that the model, the optimizer and the
         mirror still hold die on the reaper thread, not in the next ``rebind`` (reaper.py)."""
         old = self.slots.release() if self.slots is not None else []
         if self._old_transport is not None:
+            self._refused += getattr(self._old_transport, "refused", 0)
             old.append(self._old_transport.release())  # its gloo group dies on the reaper
         self._old_transport = None
         self.reaper.drop(old)
@@ -238,9 +260,10 @@ class Protected:
         return chosen
 
     def resume(self, root: str, world: int) -> int:
-        """``--deadpool-resume``: load the newest state saved for every rank; returns it."""
+        """``--deadpool-resume``: load the newest state every rank of this layout verifies."""
         self._initial_commit_pending = False
-        chosen, meta = restore.resume(self.mirror, self.optimizer, self.model, root, world)
+        chosen, meta = restore.resume(self.mirror, self.optimizer, self.model, root,
+                                      parallel_layout(world))
         self._apply(meta)
         return chosen
 
@@ -249,16 +272,6 @@ class Protected:
         ts.apply(meta, self.train_state, self.scheduler, self.optimizer)
         self.iteration = meta["iteration"]
         self.restored_meta = meta
-
-    def save_fallback(self, world: int, quiesce_s: float) -> list:
-        """The job stops and memory cannot carry it on: once the mirror thread is idle (the
-        communicators are aborted), write every copy this process holds to the fallback
-        directory. Returns [(rank, iteration, bytes written)]."""
-        if not self.fallback_dir or self.mirror is None:
-            return []
-        if not self.mirror.quiesce(quiesce_s):
-            log.warning("fallback save: the mirror thread is still busy; saving what is sealed")
-        return persist.save_held(self.mirror, self.fallback_dir, world)
 
     # ---------------------------------------------------------------- end
     def finish_info(self) -> dict:
@@ -272,9 +285,13 @@ class Protected:
                 "mirror_bytes": m.layout.total_bytes if m.layout else 0,
                 "mirror_tensor_bytes": m.layout.tensor_bytes if m.layout else 0,
                 "mirror_copies": m.copy_stats(),
-                "committed": m.committed,
+                "committed": m.committed, "failed_commits": m.failed_commits,
+                "rejected_copies": m.rejected_copies,
+                "unprotected_steps": self.alarms.unprotected_steps,
                 "mirror_commit": "implicit" if m.commits.implicit else "collective",
-                "mirror_transport": getattr(self._transport, "kind", None)}
+                "mirror_transport": getattr(self._transport, "kind", None),
+                # connections that failed the socket transport's handshake (impostors)
+                "mirror_refused_peers": self._refused + getattr(self._transport, "refused", 0)}
 
     def _cost_info(self, m: Mirror) -> dict:
         """``mirror_cpu`` (mirror/cpu.py) over the steps from CPU_WINDOW_START on, and the

@@ -22,9 +22,9 @@ iteration commits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..errors import NoCommittedStateError
+from ..errors import ConfigError, NoCommittedStateError
 
 
 @dataclass(frozen=True)
@@ -101,14 +101,26 @@ def execute(mirror, optimizer, model, rank: int) -> Tuple[int, dict]:
     return chosen, _load_and_reprotect(mirror, optimizer, model, chosen, held)
 
 
-def resume(mirror, optimizer, model, root: str, world: int) -> Tuple[int, dict]:
+def resume(mirror, optimizer, model, root: str, layout: tuple) -> Tuple[int, dict]:
     """``--deadpool-resume``: every rank loads its own saved slot of the newest iteration
-    saved for all ranks (``mirror/persist.py``), exactly as a spare loads a buddy's copy."""
+    saved for all ranks of this ``layout`` (world, tp, pp, dp) that every rank verifies
+    (``mirror/persist.py``), exactly as a spare loads a buddy's copy."""
+    from ..errors import MirrorCorruptError
     from ..mirror import persist
 
-    chosen = persist.newest_complete(root, world)
+    saved = persist.scan(root)
+    candidates = persist.resume_candidates(saved, layout)
     _create_optimizer_state(optimizer)
-    persist.adopt(mirror, persist.read_slot(root, chosen, mirror.rank, world), chosen)
+
+    def load_own(key) -> Optional[str]:
+        try:
+            persist.adopt(mirror, persist.read_slot(saved.path(key, mirror.rank)), key[0],
+                          saved.manifests[key].job)
+        except (OSError, MirrorCorruptError, ConfigError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    chosen = persist.resume_from(candidates, load_own, mirror.transport.all_ok)[0]
     return chosen, _load_and_reprotect(mirror, optimizer, model, chosen, frozenset())
 
 

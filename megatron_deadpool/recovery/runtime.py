@@ -21,13 +21,14 @@ from typing import List, Optional
 
 from ..config import DeadpoolConfig
 from ..errors import DeadpoolError, JobStopped, MirrorError, NoCommittedStateError
-from ..faults import FaultPoints, Phase as FaultPhase
+from ..faults import Phase as FaultPhase
 from ..membership.member import Member
 from ..membership.plan import Plan
-from ..membership.store import EventKind, WorkerState
+from ..membership.store import EventKind, GenerationMoved, WorkerState
 from ..worker_env import WorkerEnv
 from .abort import all_process_groups, drop_traceback
 from .classify import is_comm_failure, is_peer_failure
+from .fault_points import worker_fault_points
 from .formation import adopt, form_world
 from .phases import EventSink, Phase, PhaseTimer
 from .rebind import audit_rebind, weak_groups
@@ -58,8 +59,9 @@ class Runtime:
         self.h, self.config, self.env = handle, config, env
         self.member, self.world, self.att = member, world, attachment
         self.sink = EventSink(config.events_path)
-        self.faults = FaultPoints(env.faults, rank=lambda: self.h.rank, node=env.node,
-                                  claim=member.claim_fault, report=self._report_fault)
+        self.faults = worker_fault_points(env, member, lambda: self.h.rank, attachment)
+        attachment.alarms.emit = self.sink.emit  # mirror failures are events (alarms.py)
+        world.on_abort = attachment.abort_transport  # the mirror's sockets (abort.py)
         self.state = WorkerState.STANDBY
         self.plan: Optional[Plan] = None
         self.promoted = False
@@ -104,11 +106,6 @@ class Runtime:
     def _on_stop(self, reason: str) -> None:
         if self.state not in (WorkerState.DONE, WorkerState.STANDBY):
             self.world.abort("job stopped: " + reason, self.h.rank)
-
-    def _report_fault(self, fault, iteration: int, phase: str) -> None:
-        self.member.push_event(EventKind.FAULT_REQUEST, index=fault.index, rank=self.h.rank,
-                               node=self.env.node, iteration=iteration, phase=phase)
-        log.info("fault %s delivered at iteration %s (%s)", fault.kind, iteration, phase)
 
     def _form_world(self, plan: Plan, with_groups: bool) -> None:
         self.plan = form_world(plan, self.env.lid, self.h, self.member, self.world,
@@ -189,7 +186,7 @@ class Runtime:
         if not self.config.fallback_save_dir:
             return
         self.world.abort("the job stops: fallback save", self.h.rank)
-        saved = self.att.save_fallback(self.h.world_size, self.config.heartbeat_timeout_s)
+        saved = self.att.fallback.save(self.att.mirror, self.config.heartbeat_timeout_s)
         self.sink.emit("fallback_save", rank=self.h.rank, dir=self.config.fallback_save_dir,
                        copies=[{"rank": r, "iteration": it, "bytes": b} for r, it, b in saved])
 
@@ -215,7 +212,7 @@ class Runtime:
     def _failed_again(self, exc: BaseException) -> bool:
         if isinstance(exc, DeadpoolError) and not isinstance(exc, MirrorError):
             return False  # a stop, a stale generation, no committed state: terminal
-        return self.world.aborted or is_comm_failure(exc)
+        return self.world.aborted or is_comm_failure(exc) or isinstance(exc, GenerationMoved)
 
     def _recover_until_done(self, exc: BaseException, iteration_at_failure: Optional[int]
                             ) -> None:
@@ -276,6 +273,8 @@ class Runtime:
     def _restore_state(self, a: Attempt) -> Attempt:
         a.timer.start(Phase.RESTORE_STATE)
         self._fault_point(a, FaultPhase.RESTORE_STATE)
+        self.member.wait_until_ready(self.plan.gen, self.plan.world_size,  # a spare builds
+                                     self.config.spare_ready_timeout_s)
         a.restored = self.att.restore(self.h.rank)
         a.timer.stop()
         return a
@@ -307,7 +306,8 @@ class Runtime:
         decider, which stops the job with this reason instead of spending a spare."""
         if self.state == WorkerState.DONE or self._closed or isinstance(exc, JobStopped):
             return
-        self.member.report_fatal(self.h.rank, exc)
+        attached = self.state != WorkerState.STANDBY or is_peer_failure(exc, self.world.aborted)
+        self.member.report_fatal(self.h.rank, exc, attached)
 
     def close(self, destroy: bool = True) -> None:
         """Stop the threads and free every communicator (``destroy``: an error exit; abort a

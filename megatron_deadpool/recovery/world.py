@@ -78,11 +78,8 @@ class World:
         self.aborted = False
         self._live_gen: Optional[int] = None
         self._lock = threading.Lock()
-
-    @property
-    def live_gen(self) -> Optional[int]:
-        with self._lock:
-            return self._live_gen
+        # what else an abort must wake: the mirror's own connections (protected.py)
+        self.on_abort: Callable[[], None] = _nothing
 
     def init_process_group(self, store, gen: int, rank: int, world_size: int) -> None:
         """Bounded by ``form_timeout_s(gen)`` while the world forms (a peer that dies now
@@ -95,9 +92,11 @@ class World:
                 log.warning("%s=%s would let a dead peer take this process down; using %s "
                             "(CleanUpOnly)", var, old, NCCL_ASYNC_ERROR_HANDLING)
         self._form_timeout_s = self.form_timeout_s(gen)
-        dist.init_process_group(backend=self.backend, store=dist.PrefixStore(f"gen{gen}/", store),
-                                rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=self._form_timeout_s))
+        with ab.communicator_sockets():  # the abort shuts these down, and only these
+            dist.init_process_group(backend=self.backend,
+                                    store=dist.PrefixStore(f"gen{gen}/", store), rank=rank,
+                                    world_size=world_size,
+                                    timeout=timedelta(seconds=self._form_timeout_s))
         with self._lock:
             self._live_gen = gen
             self.aborted = False
@@ -124,7 +123,7 @@ class World:
 
         kwargs = dict(self.mp_kwargs or {})
         kwargs["distributed_timeout_minutes"] = self._form_timeout_s / 60
-        with shared_gloo_groups(self.backend) as shared:
+        with shared_gloo_groups(self.backend) as shared, ab.communicator_sockets():
             ps.initialize_model_parallel(**kwargs)
         log.debug("model-parallel groups built; %d gloo group(s) shared", shared[0])
 
@@ -158,6 +157,7 @@ class World:
             if live is None or (newer_than is not None and newer_than <= live):
                 return
             info = ab.abort_communicators(self.backend, self.store_port)
+            self.on_abort()
             self.aborted = True
             self._live_gen = None
         self.emit("abort", generation=live, rank=rank, reason=reason, **info)
@@ -170,3 +170,7 @@ class World:
     def destroy(self) -> None:
         self.forget()
         ab.destroy_world()
+
+
+def _nothing() -> None:
+    """``World.on_abort`` until the runtime sets it."""

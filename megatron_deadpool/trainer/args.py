@@ -56,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--backend", choices=["gloo", "nccl"], default=None,
       help="default: nccl on cuda, gloo on cpu")
     a("--untie-embeddings-and-output-weights", action="store_true")
+    a("--mock-save-interval", type=int, default=0, metavar="N",
+      help="a stand-in for a synchronous --save every N iterations: --mock-save-s seconds "
+      "inside the save section (Deadpool.section), writing nothing (default: none)")
+    a("--mock-save-s", type=float, default=0.0, metavar="S", help="see --mock-save-interval")
+    a("--spare-build-delay", type=float, default=0.0, metavar="SECONDS",
+      help="testing: a promoted spare waits this long before building its model, as a large "
+           "model's build takes on a GPU (the survivors wait for it: "
+           "--deadpool-spare-ready-timeout)")
     add_deadpool_args(p)
     return p
 
@@ -116,10 +124,14 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     if args.vocab_size % tp:
         raise ConfigError(f"--vocab-size {args.vocab_size} is not divisible by "
                           f"--tensor-model-parallel-size {tp}")
+    if args.spare_build_delay < 0:
+        raise ConfigError(f"--spare-build-delay must be >= 0, got {args.spare_build_delay}")
     if args.device == "cpu" and args.bf16:
         raise ConfigError("--bf16 needs --device cuda")
     if args.backend == "nccl" and args.device == "cpu":
         raise ConfigError("--backend nccl needs --device cuda")
+    if args.mock_save_interval < 0 or args.mock_save_s < 0:
+        raise ConfigError("--mock-save-interval and --mock-save-s must be >= 0")
     args.data_parallel_size = dp
     args.deadpool_config = DeadpoolConfig.from_args(args)
     return args

@@ -172,25 +172,40 @@ def _quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
 
-def main(argv=None) -> int:
+def _prepare(argv):
+    """Everything before joining the job: flags, device, imports."""
     _quiet_known_warnings()
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(args, world_size)
 
-    from .. import api
     from ..worker_env import dump_stacks_on_crash, log_to_stdout
 
     dump_stacks_on_crash()
     _choose_device(args)
     log_to_stdout()
     preimport()
+    return args
+
+
+def main(argv=None) -> int:
+    from ..membership import startup
+
+    try:
+        args = _prepare(argv)
+    except BaseException as exc:
+        startup.report(exc)  # the job does not know this process yet: a startup error
+        raise
+    from .. import api
+
     deadpool = api.Deadpool.start(args.deadpool_config, device=args.device, backend=args.backend)
     try:
         device = deadpool.device
         deadpool.initialize_model_parallel(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+        if deadpool.promoted and args.spare_build_delay > 0:
+            time.sleep(args.spare_build_delay)  # a large model's build (tests)
         model, optimizer, scheduler = build(args, device)
         state = SimpleNamespace(iteration=0, consumed_train_samples=0)
         deadpool.attach(model=model, optimizer=optimizer, scheduler=scheduler, train_state=state)
@@ -200,11 +215,13 @@ def main(argv=None) -> int:
         while state.iteration < args.train_iters:
             try:
                 deadpool.before_step(state.iteration)
-                loss, grad_norm = train_step(args, state, model, optimizer, scheduler, device,
-                                             deadpool)
+                with deadpool.section("step"):
+                    loss, grad_norm = train_step(args, state, model, optimizer, scheduler,
+                                                 device, deadpool)
                 state.iteration += 1
                 state.consumed_train_samples += args.global_batch_size
                 deadpool.after_step(state.iteration, loss=loss)
+                _mock_save(args, state.iteration, deadpool)
             except Exception as exc:  # the one recovery boundary
                 deadpool.recover(exc)  # re-raises when this is not a recoverable failure
                 t_last = time.time()
@@ -224,6 +241,14 @@ def main(argv=None) -> int:
         deadpool.shutdown(exc)  # report it and free the communicators: a clean exit
         raise
     return 0
+
+
+def _mock_save(args, iteration: int, deadpool) -> None:
+    """--mock-save-interval: what a synchronous checkpoint save looks like to the decider (a
+    long phase in the save section), without writing anything or touching training state."""
+    if args.mock_save_interval and iteration % args.mock_save_interval == 0:
+        with deadpool.section("save"):
+            time.sleep(args.mock_save_s)
 
 
 def _choose_device(args) -> None:

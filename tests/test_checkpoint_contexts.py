@@ -1,0 +1,85 @@
+"""Megatron-LM's checkpointing context across a hot swap (megatron/checkpoints.py): the
+save strategies that ``save_checkpoint`` caches hold the old generation's groups, so a
+recovery must drop them. Pure: a stand-in training module with Megatron's signature."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from megatron_deadpool.megatron.checkpoints import CheckpointContexts, compare
+
+
+def _training_module(calls):
+    def save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
+                        num_floating_point_operations_so_far, checkpointing_context=None,
+                        non_persistent_ckpt=False):
+        calls.append(iteration)
+        if checkpointing_context is not None:
+            checkpointing_context.setdefault("save_strategy", object())
+
+    return SimpleNamespace(save_checkpoint=save_checkpoint)
+
+
+def test_a_recovery_drops_the_cached_strategies_of_every_context_seen():
+    mod = _training_module([])
+    ctx_positional, ctx_keyword = {}, {"load_strategy": object(), "other": 1}
+    contexts = CheckpointContexts()
+    contexts.wrap(mod)
+    contexts.wrap(mod)  # idempotent: one wrapper, not two
+    mod.save_checkpoint(4, None, None, None, 0.0, ctx_positional)
+    mod.save_checkpoint(4, None, None, None, 0.0, checkpointing_context=ctx_keyword)
+    mod.save_checkpoint(4, None, None, None, 0.0)  # no context: nothing to remember
+    assert "save_strategy" in ctx_positional and "save_strategy" in ctx_keyword
+    assert sorted(contexts.forget_groups()) == ["load_strategy", "save_strategy",
+                                                "save_strategy"]
+    assert ctx_positional == {} and ctx_keyword == {"other": 1}
+    mod.save_checkpoint(8, None, None, None, 0.0, ctx_positional)
+    assert "save_strategy" in ctx_positional  # rebuilt by the next save
+
+
+def test_compare_reads_torch_dist_checkpoints_bit_for_bit(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    a = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "x": {"b": torch.ones(2)}}
+    b = {"w": a["w"].clone(), "x": {"b": torch.ones(2)}}
+    dcp.save(a, checkpoint_id=str(tmp_path / "a"), no_dist=True)
+    dcp.save(b, checkpoint_id=str(tmp_path / "b"), no_dist=True)
+    r = compare(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert r["equal"] and r["tensors"] == 2 and r["differing"] == []
+    b["w"][1, 2] = torch.nextafter(b["w"][1, 2], torch.tensor(100.0))  # one ulp
+    dcp.save(b, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    r = compare(str(tmp_path / "a"), str(tmp_path / "c"))
+    assert not r["equal"] and r["differing"] == ["w"]
+
+
+def test_rebuilt_iterators_reach_the_ones_pretrain_keeps():
+    """pretrain()'s final evaluation reads the valid iterator it built: after a recovery
+    that object must read the rebuilt stream (it read other batches than a failure-free
+    run before)."""
+    from megatron_deadpool.megatron.iterators import PretrainIterators
+
+    class Rerun:  # Megatron's RerunDataIterator: state in instance attributes
+        def __init__(self, it):
+            self.iterable, self.saved_microbatches = it, []
+
+        def __next__(self):
+            return next(self.iterable)
+
+    def build(provider):
+        return Rerun(iter(provider("train"))), Rerun(iter(provider("valid"))), None
+
+    mod = SimpleNamespace(build_train_valid_test_data_iterators=build)
+    its = PretrainIterators()
+    its.wrap(mod)
+    its.wrap(mod)
+    kept_train, kept_valid, _ = mod.build_train_valid_test_data_iterators(
+        lambda split: [f"{split}{i}" for i in range(4)])
+    assert next(kept_valid) == "valid0"  # the failure struck after one eval batch
+    rebuilt = mod.build_train_valid_test_data_iterators(
+        lambda split: [f"{split}{i}" for i in range(2, 6)])  # at the restored samples
+    train, valid = its.adopt(rebuilt[0], rebuilt[1])
+    assert train is kept_train and valid is kept_valid
+    assert next(kept_valid) == "valid2" and next(kept_train) == "train2"
+    assert its.adopt(None, None) == (None, None)
