@@ -37,6 +37,8 @@ from .sections import checked_name
 from .megatron import shard
 from .worker_env import PROGRESS_PREFIX, WorkerEnv
 
+SECTION_FAULTS = (FaultPhase.SAVE, FaultPhase.EVAL)  # fault phases fired on entering a section
+
 
 class Deadpool:
     """Runtime handle of one worker process."""
@@ -197,9 +199,9 @@ class Deadpool:
             return
         rt.member.sections.enter(name)
         try:
-            if name == FaultPhase.SAVE and rt.faults.due(rt.att.iteration, FaultPhase.SAVE):
-                rt.member.wait_beat_of_section()  # the decider knows the save first
-                rt.faults(rt.att.iteration, FaultPhase.SAVE)
+            if name in SECTION_FAULTS and rt.faults.due(rt.att.iteration, name):
+                rt.member.wait_beat_of_section()  # the decider knows the section first
+                rt.faults(rt.att.iteration, name)
             yield
         finally:
             rt.member.sections.leave()

@@ -5,6 +5,7 @@
     stop:rank=3@iter=9                   SIGSTOP rank 3 (a hang)
     stop:node=2@iter=4                   SIGSTOP every process of node 2
     stop:rank=3@iter=6,phase=save        SIGSTOP rank 3 in the save after iteration 6
+    kill:node=1@iter=6,phase=eval        SIGKILL node 1 as the evaluation after 6 begins
     drop:rank=3@iter=2                   rank 3 rejects every mirror copy it receives from
                                          then on (no failure: the run goes on unprotected)
     impostor:rank=2@iter=3               rank 2 starts a client without the job secret that
@@ -47,10 +48,10 @@ KINDS = ("kill", "stop", "term", "segv", "raise", "drop", "impostor")
 # "impostor" makes it start a foreign mirror client (the listeners must refuse it).
 SIGNALS = {"kill": "SIGKILL", "stop": "SIGSTOP", "term": "SIGTERM", "segv": "SIGSEGV"}
 PHASES = ("forward_backward", "optimizer", "mirror", "rendezvous", "rebuild_groups",
-          "restore_state", "save")
+          "restore_state", "save", "eval")
 TARGETS = ("node", "rank")
 FORM = ("kill|stop|term|segv|raise|drop|impostor:node=N|rank=N@iter=N[,phase=forward_backward|"
-        "optimizer|mirror|rendezvous|rebuild_groups|restore_state|save] or ...@t=SECONDS "
+        "optimizer|mirror|rendezvous|rebuild_groups|restore_state|save|eval] or ...@t=SECONDS "
         "(unstaged, from outside)")
 
 
@@ -64,6 +65,7 @@ class Phase:
     FORWARD_BACKWARD, OPTIMIZER, MIRROR = "forward_backward", "optimizer", "mirror"
     RENDEZVOUS, REBUILD_GROUPS, RESTORE_STATE = "rendezvous", "rebuild_groups", "restore_state"
     SAVE = "save"  # entering the save section after iteration N (``Deadpool.section``)
+    EVAL = "eval"  # entering the evaluation section after iteration N (the same)
 
 
 def _is_int(v) -> bool:

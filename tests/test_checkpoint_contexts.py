@@ -54,32 +54,57 @@ def test_compare_reads_torch_dist_checkpoints_bit_for_bit(tmp_path):
     assert not r["equal"] and r["differing"] == ["w"]
 
 
+class _Rerun:  # Megatron's RerunDataIterator: state in instance attributes
+    def __init__(self, it):
+        self.iterable, self.saved_microbatches = it, []
+
+    def __next__(self):
+        return next(self.iterable)
+
+
+def _module():
+    def build(provider):
+        return _Rerun(iter(provider("train"))), _Rerun(iter(provider("valid"))), None
+
+    return SimpleNamespace(build_train_valid_test_data_iterators=build)
+
+
 def test_rebuilt_iterators_reach_the_ones_pretrain_keeps():
     """pretrain()'s final evaluation reads the valid iterator it built: after a recovery
     that object must read the rebuilt stream (it read other batches than a failure-free
     run before)."""
     from megatron_deadpool.megatron.iterators import PretrainIterators
 
-    class Rerun:  # Megatron's RerunDataIterator: state in instance attributes
-        def __init__(self, it):
-            self.iterable, self.saved_microbatches = it, []
-
-        def __next__(self):
-            return next(self.iterable)
-
-    def build(provider):
-        return Rerun(iter(provider("train"))), Rerun(iter(provider("valid"))), None
-
-    mod = SimpleNamespace(build_train_valid_test_data_iterators=build)
+    mod = _module()
     its = PretrainIterators()
     its.wrap(mod)
     its.wrap(mod)
-    kept_train, kept_valid, _ = mod.build_train_valid_test_data_iterators(
-        lambda split: [f"{split}{i}" for i in range(4)])
+    start = [0]
+    provider = lambda split: [f"{split}{i}" for i in range(start[0], start[0] + 4)]  # noqa
+    kept_train, kept_valid, _ = mod.build_train_valid_test_data_iterators(provider)
     assert next(kept_valid) == "valid0"  # the failure struck after one eval batch
-    rebuilt = mod.build_train_valid_test_data_iterators(
-        lambda split: [f"{split}{i}" for i in range(2, 6)])  # at the restored samples
-    train, valid = its.adopt(rebuilt[0], rebuilt[1])
-    assert train is kept_train and valid is kept_valid
+    start[0] = 2  # the restored samples
+    train, valid = its.rebuild(mod, provider, chunks=None)
+    assert train is kept_train and valid is kept_valid and its.valid() is kept_valid
     assert next(kept_valid) == "valid2" and next(kept_train) == "train2"
-    assert its.adopt(None, None) == (None, None)
+    train, valid = its.rebuild(mod, provider, chunks=None)  # a rebuild is not recorded
+    assert valid is kept_valid and len(its._built) == 1
+
+
+def test_rebuilt_iterators_per_model_chunk():
+    """With virtual pipeline stages pretrain() builds one pair per model chunk, each with
+    the provider bound to its ``vp_stage``: the rebuild does the same, chunk by chunk."""
+    from megatron_deadpool.megatron.iterators import PretrainIterators
+
+    mod = _module()
+    its = PretrainIterators()
+    its.wrap(mod)
+    provider = lambda split, vp_stage: [f"{split}{vp_stage}.{i}" for i in range(3)]  # noqa
+    kept = [mod.build_train_valid_test_data_iterators(
+        lambda split, vp=vp: provider(split, vp_stage=vp)) for vp in range(2)]
+    for t, _, _ in kept:
+        next(t)
+    train, valid = its.rebuild(mod, provider, chunks=2)
+    assert [t is k[0] for t, k in zip(train, kept)] == [True, True]
+    assert [next(t) for t in train] == ["train0.0", "train1.0"]
+    assert its.valid() == valid and [next(v) for v in valid] == ["valid0.0", "valid1.0"]

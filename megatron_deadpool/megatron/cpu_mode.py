@@ -18,6 +18,7 @@ What it stands in for (each one exercised by tests/test_cpu_mode.py):
 * CUDA RNG (torch.cuda and megatron's tracker helpers) -> the CPU default generator,
   so megatron's RNG tracker forks and restores the generator dropout actually uses.
 * ``torch.cuda.is_available()``               -> True (megatron/training asks)
+* megatron-core features whose GPU kernels (apex, TE) CPU lacks: ``cpu_standins.py``
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import threading
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from . import cpu_standins
 
 _STATE = {"enabled": False, "mode": None, "saved": {}}
 _LOCK = threading.Lock()
@@ -216,7 +219,7 @@ def enable(set_env: bool = True) -> None:
         saved["Tensor.pin_memory"] = torch.Tensor.pin_memory
         torch.Tensor.pin_memory = lambda self, *a, **k: self
         _patch_megatron_rng()
-        _patch_empty_adam_state_dict()
+        cpu_standins.install()  # Megatron features whose GPU kernels CPU lacks
         mode = _CudaToCpuMode()
         mode.__enter__()
         _STATE["mode"] = mode
@@ -258,46 +261,3 @@ def _patch_megatron_rng() -> None:
         fk.load = lambda *a, **k: None
     except Exception:  # noqa: BLE001 - optional module, absent from the PyPI wheel
         pass
-
-
-def _patch_empty_adam_state_dict() -> None:
-    """``--load`` stand-ins (two upstream limits of the fp32, torch-Adam path). Without Apex
-    or TE (CPU), core_v0.16.1's
-    ``DistributedOptimizer.state_dict`` asserts that torch Adam's state holds exactly one
-    ``step`` value; before the first step that state is empty, and ``load_checkpoint``
-    builds the state dict to load into before any step: the assertion fails and no
-    checkpoint can be loaded. Here an empty state reads as step 0 while the state dict is
-    built (a template: the loaded checkpoint's values replace it); the state stays empty."""
-    try:
-        from megatron.core.optimizer import distrib_optimizer as do
-    except ImportError:  # megatron-core not installed: nothing to patch
-        return
-    orig = do.DistributedOptimizer.state_dict
-    if getattr(orig, "_deadpool_cpu", False):
-        return
-
-    def state_dict(self):
-        inner = self.optimizer
-        if (getattr(do, "HAVE_APEX_OR_TE", True) or not isinstance(inner, torch.optim.Optimizer)
-                or len(inner.state)):
-            return orig(self)
-        try:
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    inner.state[p]["step"] = torch.zeros(())
-            return orig(self)
-        finally:
-            inner.state.clear()
-
-    state_dict._deadpool_cpu = True
-    do.DistributedOptimizer.state_dict = state_dict
-    # And in fp32 training the main params are views of the model's leaf parameters, so
-    # the load's in-place copy into them needs no_grad (``_set_main_param_and_optimizer_
-    # states`` runs without it).
-    load = do.DistributedOptimizer.load_state_dict
-
-    def load_state_dict(self, sd):
-        with torch.no_grad():
-            return load(self, sd)
-
-    do.DistributedOptimizer.load_state_dict = load_state_dict

@@ -12,16 +12,19 @@ stream.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 
 class PretrainIterators:
     def __init__(self) -> None:
-        self._built: Optional[Tuple[Any, Any]] = None  # (train, valid) as pretrain() built them
+        # (train, valid) of each build pretrain() made: one, or one per model chunk with
+        # virtual pipeline stages (a list of iterators per kind, each chunk its own)
+        self._built: List[Tuple[Any, Any]] = []
+        self._recording = True  # pretrain()'s builds; a rebuild is not recorded
 
     def wrap(self, training_module) -> None:
-        """Record the first (train, valid) iterators ``build_train_valid_test_data_iterators``
-        returns in ``training_module`` (pretrain()'s); idempotent."""
+        """Record the (train, valid) iterators ``build_train_valid_test_data_iterators``
+        returns in ``training_module`` while pretrain() builds them; idempotent."""
         orig = training_module.build_train_valid_test_data_iterators
         if getattr(orig, "_deadpool_iterators", None) is self:
             return
@@ -29,19 +32,57 @@ class PretrainIterators:
         @functools.wraps(orig)
         def build_train_valid_test_data_iterators(*a, **k):
             out = orig(*a, **k)
-            if self._built is None:
-                self._built = (out[0], out[1])
+            if self._recording:
+                self._built.append((out[0], out[1]))
             return out
 
         build_train_valid_test_data_iterators._deadpool_iterators = self
         training_module.build_train_valid_test_data_iterators = \
             build_train_valid_test_data_iterators
 
-    def adopt(self, train, valid) -> Tuple[Any, Any]:
-        """The rebuilt (train, valid), each moved into the iterator pretrain() holds where
-        there is one of the same type (Megatron's ``RerunDataIterator``)."""
-        old_train, old_valid = self._built or (None, None)
-        return _in_place(old_train, train), _in_place(old_valid, valid)
+    def valid(self) -> Any:
+        """The valid iterator pretrain() and train() hold (a list per model chunk with
+        virtual pipeline stages; None before it is built)."""
+        valid = [v for _, v in self._built]
+        return valid if len(valid) > 1 else (valid[0] if valid else None)
+
+    def rebuild(self, training_module, dataset_provider, chunks: Optional[int]
+                ) -> Tuple[Any, Any]:
+        """Data iterators at the restored consumed samples, moved into the ones pretrain()
+        holds. Saved microbatches cannot be re-fed after a rollback of up to two steps, so
+        the loaders are rebuilt: once, or once per model chunk (``chunks``, with virtual
+        pipeline stages, as pretrain() does). The build's collectives (dataset barriers,
+        the do_* broadcast) run suppressed on every rank, exactly as on a promoted spare;
+        the do_* flags stay as restored."""
+        from ..errors import ConfigError
+        from ..recovery.quiet import CollectiveSuppressor
+
+        if dataset_provider is None:
+            raise ConfigError("lm.attach() was called without the dataset provider; the "
+                              "data iterators cannot be rebuilt after a recovery")
+        providers = [dataset_provider] if chunks is None else \
+            [_for_stage(dataset_provider, vp) for vp in range(chunks)]
+        self._recording = False
+        quiet = CollectiveSuppressor()
+        quiet.start()
+        try:
+            new = [training_module.build_train_valid_test_data_iterators(p)[:2]
+                   for p in providers]
+        finally:
+            quiet.stop()
+        old = self._built if len(self._built) == len(new) else [(None, None)] * len(new)
+        pairs = [(_in_place(o[0], n[0]), _in_place(o[1], n[1])) for o, n in zip(old, new)]
+        if chunks is None:
+            return pairs[0]
+        return [t for t, _ in pairs], [v for _, v in pairs]
+
+
+def _for_stage(provider, vp_stage: int):
+    """pretrain()'s per-chunk provider with virtual pipeline stages."""
+    p = functools.partial(provider, vp_stage=vp_stage)
+    if getattr(provider, "is_distributed", False):
+        p.is_distributed = True
+    return p
 
 
 def _in_place(old, new):

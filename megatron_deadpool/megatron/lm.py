@@ -14,7 +14,8 @@ here, on top of the same public API (``api.Deadpool``) the reference trainer use
                                    ... Megatron's step, log, eval, save ...
                                    lm.after_step(iteration, flops, loss_dict)
                                except Exception as exc:
-                                   (iteration, flops, train_iter, valid_iter) = lm.recover(exc)
+                                   (iteration, flops, train_iter, valid_iter,
+                                    pre_hook_enabled) = lm.recover(exc)
     end            ``deadpool launch --script`` runs the script through
                    ``launch/child.py``, which calls lm.finish() after it returns.
 
@@ -33,7 +34,9 @@ from typing import Any, Callable, Optional
 from ..config import DeadpoolConfig, add_deadpool_args
 from ..errors import ConfigError, UnsupportedConfigError
 from ..recovery.quiet import CollectiveSuppressor
+from . import ddp, training_globals
 from .checkpoints import CheckpointContexts
+from .evaluation import Evaluations
 from .iterators import PretrainIterators
 from .lm_rules import check_megatron_version, mark_sections, unsupported_args
 from .train_state import MegatronTrainState
@@ -52,6 +55,9 @@ class _Session:
     plain: Any = None             # api.Deadpool with the mirror off (no --deadpool)
     checkpoints: CheckpointContexts = field(default_factory=CheckpointContexts)
     iterators: PretrainIterators = field(default_factory=PretrainIterators)
+    evaluations: Evaluations = field(default_factory=Evaluations)
+    start_iteration: Optional[int] = None  # the first iteration train() ran in this process
+    held_param_sync: Any = None   # ddp.realign_forward_pre_hooks: back after the redone step
 
 
 _S = _Session()
@@ -107,25 +113,10 @@ def join(args) -> None:
                                    backend=backend)
     args.rank, args.world_size = _S.handle.rank, _S.handle.world_size
     if _S.handle.promoted:
-        _adopt_rank_globals(args)
+        training_globals.adopt_rank(args)
     from megatron.training import training
 
     mark_sections(training, _S.handle.section)  # save, eval, data: their own timeouts
-
-
-def _adopt_rank_globals(args) -> None:
-    """A spare parsed its arguments before it knew its rank (RANK was unset): redo what
-    ``set_global_variables`` decided from ``args.rank``, and never load a checkpoint on its
-    own (its state comes from the buddy's memory)."""
-    from megatron.training import global_vars as gv
-
-    if args.rank == args.world_size - 1:
-        if gv._GLOBAL_TENSORBOARD_WRITER is None:
-            gv._set_tensorboard_writer(args)
-        if gv._GLOBAL_WANDB_WRITER is None:
-            gv._set_wandb_writer(args)
-    args.load = None
-    args.pretrained_checkpoint = None
 
 
 def initialize_model_parallel(*args, **kwargs) -> None:
@@ -153,9 +144,11 @@ def attach(model, optimizer, scheduler, dataset_provider=None) -> None:
 
     _S.checkpoints.wrap(training_module)
     _S.iterators.wrap(training_module)
+    _S.evaluations.wrap(training_module, after=_after_train)
     _S.handle.attach(model=model, optimizer=optimizer, scheduler=scheduler,
                      train_state=_S.state)
     if _S.handle.promoted:
+        _S.evaluations.arm(_S.args, _S.state.iteration, _S.handle.restored_meta)
         _S.quiet = CollectiveSuppressor()
         _S.quiet.start()
 
@@ -172,11 +165,29 @@ def before_step(iteration: int) -> None:
     data iterators drew from it)."""
     if not _enabled():
         return
+    if _S.start_iteration is None:
+        _S.start_iteration = iteration
+    _end_solitary_startup(iteration)
+    _S.handle.before_step(iteration)
+
+
+def _end_solitary_startup(iteration: int) -> None:
+    """A promoted spare's collectives are real again (restored RNG re-applied); on every
+    rank, a restore's redone evaluation runs (evaluation.py)."""
+    from megatron.training import training
+
     if _S.quiet is not None:
         _S.quiet.stop()
         _S.quiet = None
         _reapply_rng()
-    _S.handle.before_step(iteration)
+    _S.evaluations.run_if_due(training, iteration, _S.iterators.valid())
+
+
+def _after_train() -> None:
+    """``train()`` returned: after a restore to the last iteration its loop ran no
+    ``before_step``; end the spare's solitary startup and redo the evaluation here."""
+    if _enabled():
+        _end_solitary_startup(_S.state.iteration)
 
 
 def after_step(iteration: int, flops: float, loss_dict: Optional[dict] = None) -> None:
@@ -191,21 +202,33 @@ def after_step(iteration: int, flops: float, loss_dict: Optional[dict] = None) -
         return
     _S.state.iteration = iteration
     _S.state.flops = float(flops)
+    ddp.release_param_sync(_S.model, _S.held_param_sync)
+    _S.held_param_sync = None
     _S.handle.after_step(iteration, loss=loss)
 
 
 def recover(exc: BaseException):
     """The recovery boundary around the whole loop body. Re-raises ``exc`` when it is not a
     job failure. Otherwise returns, after the world, the groups and the state are rebuilt,
-    what ``train()`` keeps in locals: (iteration, FLOPs, train iterator, valid iterator)."""
+    what ``train()`` keeps in locals: (iteration, FLOPs, train iterator, valid iterator,
+    whether the forward pre-hooks are on)."""
     if not _enabled():
         raise exc
+    # the cached save strategies hold the old groups: gone before the rebuild and its audit
+    _S.checkpoints.forget_groups()  # (the next --save builds them on the new groups)
     _S.handle.recover(exc)
-    _S.checkpoints.forget_groups()  # the next --save builds its strategy on the new groups
-    train_it, valid_it = _rebuild_iterators()
+    from megatron.training import training
+
+    chunks = len(_S.model) if _S.args.virtual_pipeline_model_parallel_size else None
+    train_it, valid_it = _S.iterators.rebuild(training, _S.dataset_provider, chunks)
     _reapply_rng()
-    _reset_training_singletons(_S.state.iteration)
-    return _S.state.iteration, _S.state.flops, train_it, valid_it
+    training_globals.reset_after_restore(_S.state.iteration)
+    _S.evaluations.arm(_S.args, _S.state.iteration, _S.handle.restored_meta)
+    # --overlap-param-gather: pre-hooks on as in a failure-free run (off in the first step)
+    it = _S.state.iteration  # (at the last iteration the loop ends: no hooks, no sync)
+    hooks_on, _S.held_param_sync = ddp.realign_forward_pre_hooks(
+        _S.model, _S.args, _S.start_iteration < it < _S.args.train_iters)
+    return _S.state.iteration, _S.state.flops, train_it, valid_it, hooks_on
 
 
 def _reapply_rng() -> None:
@@ -214,41 +237,6 @@ def _reapply_rng() -> None:
     meta = _S.handle.restored_meta
     if meta is not None:
         state_io.apply_rng(meta["rng"])
-
-
-def _rebuild_iterators():
-    """Data iterators at the restored consumed samples. Saved microbatches cannot be
-    re-fed after a rollback of up to two steps, so the loaders are rebuilt. The build's
-    collectives (dataset barriers, the do_* broadcast) run suppressed on every rank, exactly
-    as on a promoted spare; the do_* flags stay as restored."""
-    from megatron.training.training import build_train_valid_test_data_iterators
-
-    if _S.dataset_provider is None:
-        raise ConfigError("lm.attach() was called without the dataset provider; the data "
-                          "iterators cannot be rebuilt after a recovery")
-    quiet = CollectiveSuppressor()
-    quiet.start()
-    try:
-        train_it, valid_it, _ = build_train_valid_test_data_iterators(_S.dataset_provider)
-    finally:
-        quiet.stop()
-    return _S.iterators.adopt(train_it, valid_it)
-
-
-def _reset_training_singletons(iteration: int) -> None:
-    """Started timers trip ``assert not self._started``; the rerun state machine left in
-    INITIAL_RUN would skip the retried step."""
-    from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
-    from megatron.training.global_vars import get_timers
-
-    timers = get_timers()
-    for t in list(getattr(timers, "_timers", {}).values()):
-        if getattr(t, "_started", False):
-            t.stop()
-    timers("interval-time", log_level=0).start()
-    rsm = get_rerun_state_machine()
-    rsm.state = RerunState.NOT_RUNNING_YET
-    rsm.current_iteration = iteration
 
 
 # ---------------------------------------------------------------------------- end

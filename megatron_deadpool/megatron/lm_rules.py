@@ -25,16 +25,9 @@ def unsupported_args(args) -> List[str]:
          "restarts the job on a failure that DeadPool recovers in place"),
         (not g("use_distributed_optimizer"), "training without --use-distributed-optimizer "
          "(DeadPool mirrors distributed-optimizer shards)"),
-        (g("overlap_grad_reduce"), "--overlap-grad-reduce (pending reduce handles cannot "
-         "survive an abort)"),
-        (g("overlap_param_gather"), "--overlap-param-gather (forward pre-hooks hold pending "
-         "all-gathers)"),
         (g("async_save"), "--async-save (a background save worker holds old groups)"),
         (g("non_persistent_ckpt_type") == "local", "--non-persistent-ckpt-type local"),
-        (g("virtual_pipeline_model_parallel_size") is not None,
-         "virtual pipeline parallelism (--num-layers-per-virtual-pipeline-stage)"),
         ((g("context_parallel_size") or 1) > 1, "--context-parallel-size > 1"),
-        ((g("expert_model_parallel_size") or 1) > 1, "--expert-model-parallel-size > 1"),
         ((g("num_distributed_optimizer_instances") or 1) > 1,
          "--num-distributed-optimizer-instances > 1"),
         (g("rampup_batch_size") is not None, "--rampup-batch-size"),
@@ -72,26 +65,22 @@ def unsupported_argv(argv: List[str]) -> List[str]:
 
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for flag in ("--inprocess-restart", "--enable-ft-package", "--use-distributed-optimizer",
-                 "--overlap-grad-reduce", "--overlap-param-gather", "--async-save",
+                 "--async-save",
                  "--perform-rl-step", "--hybrid-context-parallel", "--fake-process-group",
                  "--multiple-validation-sets", "--tp-comm-overlap", "--use-megatron-fsdp",
                  "--use-torch-fsdp2", "--use-precision-aware-optimizer"):
         p.add_argument(flag, action="store_true")
     p.add_argument("--use-nccl-ub", action="store_true", dest="nccl_ub")
-    for flag in ("--context-parallel-size", "--expert-model-parallel-size",
-                 "--num-distributed-optimizer-instances"):
+    for flag in ("--context-parallel-size", "--num-distributed-optimizer-instances"):
         p.add_argument(flag, type=int, default=1)
     for flag in ("--deadpool-resume", "--deadpool-fallback-save"):
         p.add_argument(flag, default=None)
     for flag in ("--non-persistent-ckpt-type", "--dataloader-type", "--yaml-cfg",
-                 "--cuda-graph-impl", "--num-layers-per-virtual-pipeline-stage",
-                 "--num-virtual-stages-per-pipeline-rank"):
+                 "--cuda-graph-impl"):
         p.add_argument(flag, default=None)
     p.add_argument("--rampup-batch-size", nargs="*", default=None)
     p.add_argument("--phase-transition-iterations", default=None)
     ns, _ = p.parse_known_args(argv)
-    ns.virtual_pipeline_model_parallel_size = (
-        ns.num_layers_per_virtual_pipeline_stage or ns.num_virtual_stages_per_pipeline_rank)
     return unsupported_args(ns)
 
 

@@ -149,10 +149,16 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def _param_bytes(model_chunks) -> Iterator[bytes]:
+    """Every parameter, then every module buffer (MoE routers keep their load-balancing
+    state there: ``local_tokens_per_expert``, ``expert_bias``)."""
     for ci, chunk in enumerate(model_chunks):
         for name, p in chunk.named_parameters():
             yield f"chunk{ci}.{name}".encode()
             yield _tensor_bytes(p.data)
+        for name, b in chunk.named_buffers():
+            if b is not None:
+                yield f"chunk{ci}.buffer.{name}".encode()
+                yield _tensor_bytes(b)
 
 
 def _optimizer_bytes(optimizer) -> Iterator[bytes]:

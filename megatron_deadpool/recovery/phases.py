@@ -17,7 +17,8 @@ import json
 import os
 import threading
 import time
-from typing import Dict, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
 
 
 class Phase(str, enum.Enum):
@@ -78,3 +79,15 @@ class PhaseTimer:
         self.sink.emit("phase", phase=self._cur.value, duration_s=round(dt, 6),
                        generation=self.generation, rank=self.rank)
         self._cur = None
+
+
+@dataclass
+class Attempt:
+    """What one recovery attempt carries from step to step."""
+
+    cause: BaseException
+    iteration_at_failure: Optional[int]   # None: a promoted spare's own restore
+    timer: PhaseTimer
+    plan: Any = None                      # membership.plan.Plan, once taken
+    old_groups: list = field(default_factory=list)
+    restored: int = -1

@@ -14,7 +14,7 @@ from typing import Optional
 
 from ..errors import DeadpoolError
 from ..faults import Phase as FaultPhase
-from ..megatron import shard
+from ..megatron import ddp, shard
 from ..megatron import train_state as ts
 from ..megatron.support import check_supported, parallel_layout, step_barrier
 from ..mirror import cpu, snapshot
@@ -166,7 +166,6 @@ class Protected:
         return {"mirror_lag_s": lag, "mirror_wait_s": waited, "committed": m.committed,
                 "unprotected": unprotected(iteration, m.committed)}
 
-
     # ---------------------------------------------------------------- loop
     def before_step(self, iteration: int) -> None:
         """The first call of a fresh job commits the initial state, so that a failure in the
@@ -174,7 +173,7 @@ class Protected:
         if self._initial_commit_pending:
             self._initial_commit_pending = False
             self._t_begin = time.perf_counter()
-            self.mirror.begin(iteration, self._meta(iteration))
+            self.mirror.begin(iteration, dict(self._meta(iteration), initial=True))
             self.mirror.wait()  # once, before any training: a failure in step 1 finds it
             self._wait_mark = self.mirror.wait_s  # not a wait of step 1 (progress())
             self.mirror.refresh_sources()  # the first step creates the optimizer state
@@ -234,6 +233,7 @@ class Protected:
         """Once the world is destroyed: the old groups that the model, the optimizer and the
         mirror still hold die on the reaper thread, not in the next ``rebind`` (reaper.py)."""
         old = self.slots.release() if self.slots is not None else []
+        ddp.drop_pending(self.model or ())  # bucket handles on the dead groups: never waited
         if self._old_transport is not None:
             self._refused += getattr(self._old_transport, "refused", 0)
             old.append(self._old_transport.release())  # its gloo group dies on the reaper

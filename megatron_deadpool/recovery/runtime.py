@@ -9,14 +9,12 @@ mirror and the restore decision (``restore.py``).
                each a method taking and returning the Attempt; a failure inside one starts
                the next on a newer generation (MAX_ATTEMPTS, waits bounded by the rendezvous
                timeout). A member that does not take a newer plan dumps its stacks (stall.py).
-A failure is a membership fact, not an exception type (``_membership_changed``).
-"""
+A failure is a membership fact, not an exception type (``_membership_changed``). """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import List, Optional
 
 from ..config import DeadpoolConfig
@@ -30,7 +28,7 @@ from .abort import all_process_groups, drop_traceback
 from .classify import is_comm_failure, is_peer_failure
 from .fault_points import worker_fault_points
 from .formation import adopt, form_world
-from .phases import EventSink, Phase, PhaseTimer
+from .phases import Attempt, EventSink, Phase, PhaseTimer
 from .rebind import audit_rebind, weak_groups
 from .stall import StallWatch
 from .world import World
@@ -39,18 +37,6 @@ log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 8  # recovery attempts per failure (each on a newer generation)
 NEW_GEN_POLL_S = 0.02
-
-
-@dataclass
-class Attempt:
-    """What one recovery attempt carries from step to step."""
-
-    cause: BaseException
-    iteration_at_failure: Optional[int]   # None: a promoted spare's own restore
-    timer: PhaseTimer
-    plan: Optional[Plan] = None
-    old_groups: list = field(default_factory=list)
-    restored: int = -1
 
 
 class Runtime:
@@ -157,6 +143,11 @@ class Runtime:
 
     def after_step(self, iteration: int) -> None:
         self.att.after_step(iteration, mirror_on=self.env.mirror_on(iteration))
+        self._report_recovery()
+
+    def _report_recovery(self) -> None:
+        """Once the first step after a restore is done (or the job ends before one: a
+        restore to the last iteration), the recovery's report goes out."""
         if self._first_step is not None:
             (timer, report), self._first_step = self._first_step, None
             timer.stop()  # the first step
@@ -231,8 +222,8 @@ class Runtime:
                 if not self._failed_again(again):
                     raise
                 self.member.raise_if_stopped()
-                log.info("failure during recovery attempt %s (%s); starting over on the next "
-                         "generation", attempt, type(again).__name__)
+                log.info("failure during recovery attempt %s (%s: %.200s); starting over on "
+                         "the next generation", attempt, type(again).__name__, again)
                 exc = again
         raise DeadpoolError(f"recovery did not succeed in {MAX_ATTEMPTS} attempts; last "
                             f"failure: {type(exc).__name__}: {exc}")
@@ -295,6 +286,7 @@ class Runtime:
 
     # ================================================================ end
     def finish(self) -> dict:
+        self._report_recovery()
         info = self.att.finish_info()
         self.state = WorkerState.DONE
         self.member.push_event(EventKind.DONE, rank=self.h.rank)

@@ -1,0 +1,104 @@
+"""Stand-ins, in CPU mode only (``cpu_mode.enable``), for megatron-core features whose GPU
+implementations (apex, Transformer Engine) are absent on CPU. Each one does what the GPU
+module does, in plain torch, and nothing else:
+
+* ``sequence_parallel_norm``: ``--sequence-parallel`` with the local layer spec.
+  megatron-core's ``WrappedTorchNorm`` refuses it ("sequence parallel not supported by
+  torch LayerNorm"); apex's ``FusedLayerNorm`` and TE's norms support it by marking their
+  parameters ``sequence_parallel``, so that ``finalize_model_grads`` all-reduces their
+  gradients over the tensor-parallel group (each TP rank saw only its sequence slice). The
+  stand-in builds the same torch norm and marks its parameters the same way.
+* ``moe_router_gemm``: core_v0.16.1's ``moe_utils`` imports ``te_general_gemm`` from TE
+  and leaves the name undefined when TE is absent, so MoE routing raises ``NameError`` in
+  ``router_gating_linear``. core_v0.19.0 sets it to ``None`` (the plain matmul path);
+  the stand-in does the same on 0.16.1.
+* ``empty_adam_state_dict``: ``--load`` on the fp32 torch-Adam path (below).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def install() -> None:
+    sequence_parallel_norm()
+    moe_router_gemm()
+    empty_adam_state_dict()
+
+
+def sequence_parallel_norm() -> None:
+    try:
+        from megatron.core.transformer import torch_norm
+    except ImportError:  # megatron-core not installed: nothing to patch
+        return
+    cls = torch_norm.WrappedTorchNorm
+    orig = cls.__new__
+    if getattr(orig, "_deadpool_cpu", False):
+        return
+
+    def __new__(klass, config, *args, **kwargs):
+        if not getattr(config, "sequence_parallel", False):
+            return orig(klass, config, *args, **kwargs)
+        config.sequence_parallel = False  # (a copy would run the config's checks again)
+        try:
+            norm = orig(klass, config, *args, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for param in norm.parameters():  # as TE's and apex's norms do
+            setattr(param, "sequence_parallel", True)
+        return norm
+
+    __new__._deadpool_cpu = True
+    cls.__new__ = staticmethod(__new__)
+
+
+def moe_router_gemm() -> None:
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except ImportError:
+        return
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def empty_adam_state_dict() -> None:
+    """``--load`` stand-ins (two upstream limits of the fp32, torch-Adam path). Without Apex
+    or TE (CPU), core_v0.16.1's
+    ``DistributedOptimizer.state_dict`` asserts that torch Adam's state holds exactly one
+    ``step`` value; before the first step that state is empty, and ``load_checkpoint``
+    builds the state dict to load into before any step: the assertion fails and no
+    checkpoint can be loaded. Here an empty state reads as step 0 while the state dict is
+    built (a template: the loaded checkpoint's values replace it); the state stays empty."""
+    try:
+        from megatron.core.optimizer import distrib_optimizer as do
+    except ImportError:  # megatron-core not installed: nothing to patch
+        return
+    orig = do.DistributedOptimizer.state_dict
+    if getattr(orig, "_deadpool_cpu", False):
+        return
+
+    def state_dict(self):
+        inner = self.optimizer
+        if (getattr(do, "HAVE_APEX_OR_TE", True) or not isinstance(inner, torch.optim.Optimizer)
+                or len(inner.state)):
+            return orig(self)
+        try:
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    inner.state[p]["step"] = torch.zeros(())
+            return orig(self)
+        finally:
+            inner.state.clear()
+
+    state_dict._deadpool_cpu = True
+    do.DistributedOptimizer.state_dict = state_dict
+    # And in fp32 training the main params are views of the model's leaf parameters, so
+    # the load's in-place copy into them needs no_grad (``_set_main_param_and_optimizer_
+    # states`` runs without it).
+    load = do.DistributedOptimizer.load_state_dict
+
+    def load_state_dict(self, sd):
+        with torch.no_grad():
+            return load(self, sd)
+
+    do.DistributedOptimizer.load_state_dict = load_state_dict
