@@ -17,7 +17,11 @@ setup(
     packages=find_packages(include=["megatron_deadpool", "megatron_deadpool.*"]),
     # torch: install torch==2.13.0 first on CPU machines (a bare `torch` pulls a CUDA build).
     # crc32c: the snapshot checksum (CRC-32C in hardware, SSE4.2 / ARMv8; GIL released)
-    install_requires=["torch", "megatron-core==0.16.1", "numpy", "crc32c>=2.3"],
+    # megatron-core: the reference trainer's and the demo's is 0.16.1 (Python 3.11, the local
+    # CPU torch build); on 3.12, the environment of the core_v0.19.0 tests, 0.19.0.
+    install_requires=["torch", "megatron-core==0.16.1; python_version < '3.12'",
+                      "megatron-core==0.19.0; python_version >= '3.12'", "numpy",
+                      "crc32c>=2.3"],
     extras_require={
         "test": ["pytest>=7", "matplotlib"],
         "report": ["matplotlib"],  # deadpool report

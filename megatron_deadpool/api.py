@@ -148,6 +148,12 @@ class Deadpool:
         if self._runtime is not None:
             self._runtime.attach(model, optimizer, scheduler, train_state)
 
+    def protect_groups_of(self, holders) -> None:
+        """Objects besides the attached ones that hold process groups (e.g. arguments a
+        training loop receives): rebound after every rebuild, like the model's."""
+        if self._runtime is not None and holders:
+            self._runtime.att.protect_groups_of(list(holders))
+
     # ------------------------------------------------------------------ loop
     def before_step(self, iteration: int) -> None:
         """Call at the top of every loop iteration, ``iteration`` steps being done. The

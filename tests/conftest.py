@@ -24,11 +24,12 @@ def layout_flags(tp: int, pp: int, iters: int, seed: int = 1234, world: int = 8)
             "--seed", str(seed)]
 
 
-def deadpool(args, cwd, timeout=600):
-    """Run `python -m megatron_deadpool.cli ARGS`; returns CompletedProcess (text)."""
+def deadpool(args, cwd, timeout=600, python=None):
+    """Run `python -m megatron_deadpool.cli ARGS` (this interpreter, or ``python``: the
+    Python 3.12 environment of core_v0.19.0, tests/mlm.py); returns CompletedProcess."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "megatron_deadpool.cli", *args], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([python or sys.executable, "-m", "megatron_deadpool.cli", *args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def state_diff(s, ref) -> dict:
@@ -59,14 +60,14 @@ def assert_bitwise(s, ref):
 
 
 def launch(tmp_path, flags, nodes=4, ppn=2, spares=0, inject=(), extra_launch=(),
-           timeout=600, name="run"):
+           timeout=600, name="run", python=None):
     summary = tmp_path / f"{name}.json"
     args = ["launch", "--nodes", str(nodes), "--procs-per-node", str(ppn),
             "--spare-nodes", str(spares), "--summary-json", str(summary),
             "--results-dir", str(tmp_path / name), *extra_launch]
     for spec in inject:
         args += ["--inject", spec]
-    proc = deadpool(args + ["--", *flags], cwd=tmp_path, timeout=timeout)
+    proc = deadpool(args + ["--", *flags], cwd=tmp_path, timeout=timeout, python=python)
     data = json.loads(summary.read_text()) if summary.exists() else None
     return proc, data
 

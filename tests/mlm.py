@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 from typing import Optional
@@ -18,16 +19,19 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PINNED_COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"
 ARCHIVE_NAME = "Megatron-LM-core_v0.16.1.tar.gz"
+# the other supported tag (tags.py): its archive beside the first one
+COMMITS = {"core_v0.16.1": PINNED_COMMIT,
+           "core_v0.19.0": "5be9626709af2722333bf54797c954c09edeada3"}
 
 
 def _required() -> bool:
     return os.environ.get("DEADPOOL_REQUIRE_MLM") == "1" or os.environ.get("CI") == "true"
 
 
-def find_archive() -> Optional[Path]:
-    env = os.environ.get("MEGATRON_LM_ARCHIVE")
+def find_archive(tag: str = "core_v0.16.1") -> Optional[Path]:
+    env = os.environ.get("MEGATRON_LM_ARCHIVE") if tag == "core_v0.16.1" else None
     candidates = [Path(env)] if env else []
-    candidates.append(REPO.parent / "shared" / "megatron-lm" / ARCHIVE_NAME)
+    candidates.append(REPO.parent / "shared" / "megatron-lm" / f"Megatron-LM-{tag}.tar.gz")
     return next((c for c in candidates if c.is_file()), None)
 
 
@@ -39,26 +43,60 @@ def archive_commit(path: Path) -> str:
     return r.stdout.decode().strip()
 
 
-def pristine_tree(dest: Path) -> Path:
-    """An unmodified core_v0.16.1 tree under ``dest``; skips (or fails in CI) if none."""
-    src = os.environ.get("MEGATRON_LM_DIR")
+def pristine_tree(dest: Path, tag: str = "core_v0.16.1") -> Path:
+    """An unmodified tree of ``tag`` under ``dest``; skips (or fails in CI) if none."""
+    src = os.environ.get("MEGATRON_LM_DIR") if tag == "core_v0.16.1" else None
     if src:
         out = dest / "Megatron-LM"
         shutil.copytree(src, out, ignore=shutil.ignore_patterns(".git", "__pycache__",
                                                                 "helpers_cpp*.so"))
         return out
-    archive = find_archive()
+    archive = find_archive(tag)
     if archive is None:
         msg = (f"no Megatron-LM tree: set MEGATRON_LM_DIR or MEGATRON_LM_ARCHIVE "
-               f"(the {ARCHIVE_NAME} git archive of tag core_v0.16.1)")
+               f"(the Megatron-LM-{tag}.tar.gz git archive of tag {tag})")
         if _required():
             pytest.fail(msg + " (required here: CI / DEADPOOL_REQUIRE_MLM=1)")
         pytest.skip(msg)
     commit = archive_commit(archive)
-    assert commit == PINNED_COMMIT, f"{archive} is commit {commit}, not {PINNED_COMMIT}"
+    assert commit == COMMITS[tag], f"{archive} is commit {commit}, not {COMMITS[tag]}"
     with tarfile.open(archive) as t:
         t.extractall(dest, filter="data")
     return dest / "Megatron-LM"
+
+
+# Each tag's Python (tags.py): core_v0.19.0 needs 3.12, which `make venv` puts in .venv312
+VENV312 = REPO / ".venv312" / "bin" / "python"
+
+
+def python_for(tag: str) -> str:
+    """The interpreter that runs ``tag``'s tree: this one if it is new enough, else
+    ``DEADPOOL_PY312`` or ``.venv312`` (``make venv``); skips (fails in CI) if none."""
+    from megatron_deadpool.megatron.tags import TAGS
+
+    need = next(t.python for t in TAGS if t.name == tag)
+    if sys.version_info[:2] >= need:
+        return sys.executable
+    for cand in (os.environ.get("DEADPOOL_PY312"), str(VENV312)):
+        if cand and Path(cand).is_file():
+            return cand
+    msg = f"{tag} needs Python >= {need}: run `make venv` (it makes .venv312)"
+    if _required():
+        pytest.fail(msg + " (required here: CI / DEADPOOL_REQUIRE_MLM=1)")
+    pytest.skip(msg)
+
+
+_PATCHED = {}
+
+
+def patched_tree(tmp_path_factory, tag: str) -> Path:
+    """One pristine-then-patched tree per tag for the whole session."""
+    if tag not in _PATCHED:
+        t = pristine_tree(tmp_path_factory.mktemp(f"mlm-{tag}"), tag)
+        r = apply_patches(t)
+        assert r.returncode == 0, r.stderr
+        _PATCHED[tag] = t
+    return _PATCHED[tag]
 
 
 def apply_patches(tree: Path, *extra: str) -> subprocess.CompletedProcess:

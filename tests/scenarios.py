@@ -62,7 +62,7 @@ SCENARIOS = [
     Scenario("cascade_in_restore",
              ("kill:node=1@iter=6", "kill:rank=6@iter=6,phase=restore_state"), spares=2,
              what="a second kill during the first recovery's restore"),
-    Scenario("kill_iteration_1", ("kill:node=2@iter=1",), recoveries=1, ci=True,
+    Scenario("kill_iteration_1", ("kill:node=2@iter=1",), recoveries=1,
              what="SIGKILL a node in the first step (restores the initial commit)"),
     Scenario("kill_iteration_2", ("kill:node=2@iter=2",), recoveries=1,
              what="SIGKILL a node in the second step"),

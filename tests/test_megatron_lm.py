@@ -13,7 +13,8 @@ from megatron_deadpool.errors import ConfigError
 from megatron_deadpool.megatron import lm_rules, tree
 from mlm import REPO, apply_patches, pristine_tree
 
-PATCHES = sorted((REPO / "patches").glob("[0-9][0-9][0-9][0-9]-*.patch"))
+SERIES = {d.name: sorted(d.glob("[0-9][0-9][0-9][0-9]-*.patch"))
+          for d in sorted((REPO / "patches").glob("core_v*"))}
 
 
 @pytest.fixture
@@ -43,6 +44,8 @@ def test_refuses_an_edited_training_py(mlm_tree):
     r = apply_patches(mlm_tree)
     assert r.returncode == 2
     assert "megatron/training/training.py" in r.stderr and "differs" in r.stderr
+    # a tree that matches neither tag (a core_v0.18.0, say): both supported tags named
+    assert "core_v0.16.1 (55ac708)" in r.stderr and "core_v0.19.0 (5be9626)" in r.stderr
     assert not tree.is_patched(str(mlm_tree))
 
 
@@ -52,7 +55,8 @@ def test_refuses_a_git_checkout_at_another_commit(mlm_tree):
     subprocess.run([*git, "add", "-A"], check=True)
     subprocess.run([*git, "commit", "-qm", "not the tag"], check=True)
     r = apply_patches(mlm_tree)
-    assert r.returncode == 2 and "not tag core_v0.16.1" in r.stderr, r.stderr
+    assert r.returncode == 2 and "not a supported tag" in r.stderr, r.stderr
+    assert "core_v0.16.1" in r.stderr and "core_v0.19.0" in r.stderr
 
 
 def test_refuses_a_non_tree(tmp_path):
@@ -60,9 +64,11 @@ def test_refuses_a_non_tree(tmp_path):
     assert r.returncode == 2 and "not a Megatron-LM tree" in r.stderr
 
 
-def test_patch_series_is_small_and_only_calls_the_package():
+@pytest.mark.parametrize("tag", sorted(SERIES))
+def test_patch_series_is_small_and_only_calls_the_package(tag):
     added = 0
-    for p in PATCHES:
+    assert len(SERIES[tag]) == 3
+    for p in SERIES[tag]:
         text = p.read_text()
         for hunk in re.split(r"^@@.*@@.*$", text, flags=re.M)[1:]:
             plus = [x for x in hunk.splitlines() if x.startswith("+") and not x.startswith("+++")]
@@ -71,17 +77,23 @@ def test_patch_series_is_small_and_only_calls_the_package():
                 f"into megatron_deadpool:\n{hunk}"
     assert 0 < added <= 150
     readme = (REPO / "README.md").read_text()
-    assert f"adds {added} lines" in readme  # the README states the count
+    assert f"{tag}: adds {added} lines" in readme  # the README states the count
 
 
 def test_tree_checks(mlm_tree):
     root = str(mlm_tree)
     assert tree.is_megatron_tree(root) and tree.version(root) == "0.16.1"
-    with pytest.raises(ConfigError, match="not patched"):
+    with pytest.raises(ConfigError, match=r"\(core_v0.16.1\) is not patched"):
         tree.check_for_deadpool(root)
+    assert apply_patches(mlm_tree).returncode == 0
+    assert tree.check_for_deadpool(root).name == "core_v0.16.1"
+    # the tag comes from the files, not from package_info.py's version string
     info = mlm_tree / "megatron" / "core" / "package_info.py"
     info.write_text(info.read_text().replace("MINOR = 16", "MINOR = 17"))
-    with pytest.raises(ConfigError, match="0.17.1"):
+    assert tree.check_for_deadpool(root).name == "core_v0.16.1"
+    f = mlm_tree / "megatron" / "training" / "training.py"
+    f.write_text(f.read_text() + "\n# a local edit\n")
+    with pytest.raises(ConfigError, match="matches no supported tag.*core_v0.19.0"):
         tree.check_for_deadpool(root)
 
 
@@ -126,16 +138,14 @@ def test_supported_config_passes():
     (dict(use_precision_aware_optimizer=True), "--use-precision-aware-optimizer"),
     (dict(deadpool_resume="d"), "--deadpool-resume"),
     (dict(deadpool_fallback_save="d"), "--deadpool-fallback-save"),
+    (dict(full_validation=True), "--full-validation"),
+    (dict(step_batch_size_schedule="1:8"), "--step-batch-size-schedule"),
+    (dict(exit_signal_handler_for_training=True), "--exit-signal-handler-for-training"),
+    (dict(gtp_weight_remat_size=2), "--tensor-parallel-num-weight-shards"),
 ])
 def test_each_refusal_names_its_flag(kw, needle):
     found = lm_rules.unsupported_args(_args(**kw))
     assert len(found) == 1 and needle in found[0], found
-
-
-def test_megatron_version_rule():
-    lm_rules.check_megatron_version("0.16.1")
-    with pytest.raises(ConfigError, match="core_v0.16.1"):
-        lm_rules.check_megatron_version("0.15.0")
 
 
 def test_cpu_flags_added_only_when_missing():

@@ -14,9 +14,8 @@ import shutil
 import pytest
 
 from conftest import launch
-from megatron_deadpool.megatron.checkpoints import compare
-from mlm import apply_patches, pristine_tree
-from test_megatron_lm_train import FLAGS
+from mlm import REPO, patched_tree, python_for
+from test_megatron_lm_train import FLAGS, NEWEST, OLDER, ON_NEWEST_IN_CI
 
 pytestmark = [pytest.mark.slow]
 
@@ -27,20 +26,44 @@ SP = ["--sequence-parallel"]
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2"]
 
 
-@pytest.fixture(scope="module")
-def tree(tmp_path_factory):
-    t = pristine_tree(tmp_path_factory.mktemp("mlm-prod"))
-    r = apply_patches(t)
-    assert r.returncode == 0, r.stderr
-    return t
+# CI runs the first three on the newest tag (the whole set there, as in
+# test_megatron_lm_train.py); the rest run on both tags outside CI (`make test-all`).
+BOTH = [pytest.param(t, id=t) for t in (NEWEST, OLDER)]
+
+
+@pytest.fixture
+def tree(tmp_path_factory, tag):
+    return patched_tree(tmp_path_factory, tag)
 
 
 def _run(tree, d, name, flags, spares=0, inject=()):
-    p, s = launch(d, flags, spares=spares, inject=inject, name=name,
+    tag = _tag_of(tree)
+    p, s = launch(d, flags, spares=spares, inject=inject, name=name, python=python_for(tag),
                   extra_launch=["--device", "cpu", "--script", str(tree / "pretrain_gpt.py")])
     assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
     assert s["ok"] and s["final_state_sha256"], s
     return p, s
+
+
+def _tag_of(tree) -> str:
+    from megatron_deadpool.megatron.tags import patched_tag
+
+    return patched_tag(str(tree)).name
+
+
+def compare(tree, a, b) -> dict:
+    """scripts/compare_checkpoints.py A B on the tree's Python, with the tree's megatron
+    (a checkpoint's pickled objects are that tag's classes)."""
+    import json
+    import os
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(REPO)]))
+    p = subprocess.run([python_for(_tag_of(tree)), str(REPO / "scripts" /
+                                                      "compare_checkpoints.py"), a, b],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.stdout.strip(), p.stderr[-3000:]
+    return json.loads(p.stdout)
 
 
 def _val_losses(out: str):
@@ -53,13 +76,19 @@ def _val_losses(out: str):
 BASE = FLAGS + ["--deadpool"] + P + ["--save-interval", "4"]
 
 
-@pytest.fixture(scope="module")
-def reference(tree, tmp_path_factory):
-    """The failure-free run, shared by the tests: (summary, checkpoint dir, output)."""
-    d = tmp_path_factory.mktemp("ref")
-    p, s = _run(tree, d, "ref", BASE + ["--save", str(d / "ck")])  # no spare, as shown
-    assert s["recoveries"] == []
-    return s, d / "ck", p.stdout + p.stderr
+_REFERENCE = {}
+
+
+@pytest.fixture
+def reference(tree, tag, tmp_path_factory):
+    """The failure-free run of ``tag``, shared by the tests: (summary, checkpoint dir,
+    output)."""
+    if tag not in _REFERENCE:
+        d = tmp_path_factory.mktemp("ref")
+        p, s = _run(tree, d, "ref", BASE + ["--save", str(d / "ck")])  # no spare, as shown
+        assert s["recoveries"] == []
+        _REFERENCE[tag] = s, d / "ck", p.stdout + p.stderr
+    return _REFERENCE[tag]
 
 
 def _load_run(tree, d, ck, name):
@@ -73,7 +102,7 @@ def _load_run(tree, d, ck, name):
     return s
 
 
-@pytest.mark.ci
+@pytest.mark.parametrize("tag", ON_NEWEST_IN_CI)
 def test_production_flags_save_eval_and_load_through_a_swap(tree, reference, tmp_path):
     """The must-show: overlap, interleaved pipeline, eval and save; node 1 killed at 6."""
     r, ck_r, out_r = reference
@@ -88,7 +117,7 @@ def test_production_flags_save_eval_and_load_through_a_swap(tree, reference, tmp
     assert at == {"4", "8", "12"}, vr
     assert vk == vr  # the evaluations at 8 and 12 ran after the recovery
     for it in ("iter_0000008", "iter_0000012"):
-        c = compare(str(tmp_path / "ck" / it), str(ck_r / it))
+        c = compare(tree, str(tmp_path / "ck" / it), str(ck_r / it))
         assert c["equal"] and c["tensors"] > 0, (it, c)
     # --load of each resumes for 4 more iterations to the same state
     a = _load_run(tree, tmp_path, tmp_path / "ck", "load-k")
@@ -97,7 +126,7 @@ def test_production_flags_save_eval_and_load_through_a_swap(tree, reference, tmp
     assert a["losses"] == b["losses"] and a["losses"]
 
 
-@pytest.mark.ci
+@pytest.mark.parametrize("tag", ON_NEWEST_IN_CI)
 def test_a_node_killed_during_an_evaluation(tree, reference, tmp_path):
     """Node 2 dies as the evaluation after iteration 8 begins. The restore lands before
     that evaluation (its snapshot is taken first), so every rank, the promoted spares
@@ -112,7 +141,7 @@ def test_a_node_killed_during_an_evaluation(tree, reference, tmp_path):
     assert _val_losses(pk.stdout + pk.stderr) == _val_losses(out_r)
 
 
-@pytest.mark.ci
+@pytest.mark.parametrize("tag", ON_NEWEST_IN_CI)
 def test_sequence_parallel_and_moe_through_a_swap(tree, tmp_path):
     """TP2 with sequence parallel (CPU: cpu_standins.sequence_parallel_norm) and MoE with
     expert parallelism 2 (expert tensor parallelism 1: the experts have biases), on top of
@@ -132,6 +161,7 @@ def test_sequence_parallel_and_moe_through_a_swap(tree, tmp_path):
     pytest.param(["--tensor-model-parallel-size", "1"] + MOE + ["--global-batch-size", "16"],
                  id="moe-tp1-ep2"),
     pytest.param(SP, id="sequence-parallel")])
+@pytest.mark.parametrize("tag", BOTH)
 def test_must_show_pairs(tree, tmp_path, extra):
     """The must-show's other pairs, as shown (MoE on TP1.PP2.DP4; sequence parallel)."""
     flags = FLAGS + ["--deadpool"] + P + extra
@@ -141,6 +171,7 @@ def test_must_show_pairs(tree, tmp_path, extra):
     assert k["final_state_sha256"] == ref["final_state_sha256"]
 
 
+@pytest.mark.parametrize("tag", BOTH)
 def test_a_node_killed_during_a_save(tree, reference, tmp_path):
     """Node 1 dies as the iteration-12 save begins (the last iteration: the restore ends
     the loop, and the redone evaluation runs after it): the job recovers and ends at the
@@ -156,7 +187,7 @@ def test_a_node_killed_during_a_save(tree, reference, tmp_path):
     assert tracker.read_text().strip() == "8"
     (rec,) = k["recoveries"]
     assert rec["restored_iter"] in (11, 12), rec  # 12 once its snapshot committed
-    c = compare(str(tmp_path / "ck" / "iter_0000008"), str(ck_r / "iter_0000008"))
+    c = compare(tree, str(tmp_path / "ck" / "iter_0000008"), str(ck_r / "iter_0000008"))
     assert c["equal"] and c["tensors"] > 0, c
     a = _load_run(tree, tmp_path, tmp_path / "ck", "resume-k")
     b = _load_run(tree, tmp_path, ck_r, "resume-r")

@@ -21,7 +21,7 @@ LAYERS = [
                     "mirror.commit", "mirror.held",
                     "mirror.mirror", "mirror.persist", "megatron.support", "megatron.shard",
                     "megatron.train_state", "megatron.cpu_standins", "megatron.cpu_mode", "megatron.lm_rules",
-                    "megatron.checkpoints", "megatron.iterators", "megatron.ddp", "megatron.training_globals",
+                    "megatron.checkpoints", "megatron.iterators", "megatron.ddp", "megatron.training_globals", "megatron.tags",
                     "megatron.evaluation",
                     "recovery.phases", "recovery.classify", "recovery.abort", "recovery.quiet",
                     "recovery.reaper", "recovery.rebind", "recovery.restore",

@@ -22,6 +22,9 @@ from ..membership.store import CommandOp, EventKind
 from ..worker_env import WorkerEnv
 
 
+GROUP_SIGNALS = (signal.SIGKILL, signal.SIGSTOP, signal.SIGCONT)
+
+
 @dataclass
 class WorkerSpec:
     lid: int
@@ -115,10 +118,16 @@ class NodeAgent:
                                       local_rank=old.local_rank if old else 0))
 
     def signal(self, lid: int, sig: int) -> None:
+        """Signal a worker. A kill or a stop reaches its whole process group (each worker
+        leads its own session): a dead or frozen machine takes the worker's children with
+        it, e.g. Megatron's checkpoint writer processes, which would otherwise outlive it."""
         p = self.procs.get(lid)
         if p is not None and p.poll() is None:
             try:
-                os.kill(p.pid, sig)
+                if sig in GROUP_SIGNALS:
+                    os.killpg(p.pid, sig)
+                else:
+                    os.kill(p.pid, sig)
             except ProcessLookupError:
                 pass
 

@@ -18,6 +18,7 @@ What it stands in for (each one exercised by tests/test_cpu_mode.py):
 * CUDA RNG (torch.cuda and megatron's tracker helpers) -> the CPU default generator,
   so megatron's RNG tracker forks and restores the generator dropout actually uses.
 * ``torch.cuda.is_available()``               -> True (megatron/training asks)
+* ``torch.accelerator``                        -> none, as in a CPU-only build of torch
 * megatron-core features whose GPU kernels (apex, TE) CPU lacks: ``cpu_standins.py``
 """
 
@@ -217,6 +218,12 @@ def enable(set_env: bool = True) -> None:
         saved["Tensor.type"] = torch.Tensor.type
         torch.Tensor.type = _type
         saved["Tensor.pin_memory"] = torch.Tensor.pin_memory
+        # torch's device-generic layer answers as a CPU-only build does (a CUDA build of
+        # torch on a machine without a driver would otherwise ask the driver in Adam.step)
+        for name, fn in (("is_available", lambda: False),
+                         ("current_accelerator", lambda check_available=False: None)):
+            saved["accelerator." + name] = getattr(torch.accelerator, name, None)
+            setattr(torch.accelerator, name, fn)
         torch.Tensor.pin_memory = lambda self, *a, **k: self
         _patch_megatron_rng()
         cpu_standins.install()  # Megatron features whose GPU kernels CPU lacks

@@ -18,6 +18,10 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, Optional, Sequence, Tuple
 
+from .tags import TAGS
+
+TAG_RESETS = {k: v for tag in TAGS for k, v in tag.bucket_group_resets.items()}
+
 
 def bucket_groups(model_chunks: Sequence) -> Iterator:
     """Every bucket group of every DDP model chunk (dense and expert-parallel)."""
@@ -41,6 +45,9 @@ def drop_pending(model_chunks: Sequence) -> int:
         bg.golden_per_param_grad_ready_counts = {}
         bg.is_first_batch = True
         bg.is_last_microbatch = True
+        for attr, value in TAG_RESETS.items():  # fields some tags add (tags.py)
+            if hasattr(bg, attr):
+                setattr(bg, attr, value)
     return dropped
 
 

@@ -16,16 +16,9 @@ so the collectives match on survivors and spares alike. A restore of the initial
 
 from __future__ import annotations
 
-import functools
-import inspect
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 from . import ddp
-
-# train()'s parameters that evaluate_and_print_results needs
-EVAL_INPUTS = ("forward_step_func", "model", "process_non_loss_data_func", "config",
-               "non_loss_data_func")
-
 
 def due(args, iteration: int, meta: Optional[dict]) -> bool:
     """Whether the loop body of ``iteration`` evaluates (the condition ``train()`` uses),
@@ -33,55 +26,40 @@ def due(args, iteration: int, meta: Optional[dict]) -> bool:
     if meta is None or meta.get("initial"):
         return False
     interval = getattr(args, "eval_interval", None)
-    return bool(interval and iteration % interval == 0 and getattr(args, "do_valid", False))
+    start = getattr(args, "start_eval_at_iter", None)  # core_v0.19.0
+    return bool(interval and iteration % interval == 0 and getattr(args, "do_valid", False)
+                and (start is None or iteration >= start))
 
 
 class Evaluations:
     def __init__(self) -> None:
-        self._inputs: Optional[Dict[str, Any]] = None  # from train()'s arguments
         self._due: Optional[int] = None
         self.redone: list = []  # iterations whose evaluation was redone
-
-    def wrap(self, training_module, after: Callable[[], None]) -> None:
-        """Record the arguments ``pretrain()`` gives ``train()`` (a promoted spare never ran
-        an evaluation, so they are taken there, not from an earlier one), and call
-        ``after()`` when it returns: a restore to the last iteration ends the loop before
-        any ``before_step``, and what that would have done happens there. Idempotent."""
-        orig = training_module.train
-        if getattr(orig, "_deadpool_evaluations", None) is self:
-            return
-        sig = inspect.signature(orig)
-
-        @functools.wraps(orig)
-        def train(*a, **k):
-            bound = sig.bind_partial(*a, **k).arguments
-            self._inputs = {name: bound.get(name) for name in EVAL_INPUTS}
-            out = orig(*a, **k)
-            after()
-            return out
-
-        train._deadpool_evaluations = self
-        training_module.train = train
 
     def arm(self, args, iteration: int, meta: Optional[dict]) -> None:
         """After a restore to ``iteration`` with metadata ``meta``."""
         self._due = iteration if due(args, iteration, meta) else None
 
-    def run_if_due(self, training_module, iteration: int, valid_iterator) -> bool:
-        """At the top of the loop body: run the armed evaluation, as ``train()`` does (the
-        forward pre-hooks off while it runs; the restore already synced the parameters)."""
-        if self._due is None or self._due != iteration or self._inputs is None:
+    def run_if_due(self, training_module, iteration: int, valid_iterator,
+                   train_args: Optional[Dict[str, Any]], extra: Sequence[str] = ()) -> bool:
+        """At the top of the loop body: run the armed evaluation as ``train()`` does, with
+        ``train_args`` (what pretrain() gave train(); ``extra``: the tag's further keyword
+        arguments, tags.py), the forward pre-hooks off while it runs (the restore already
+        synced the parameters)."""
+        if self._due is None or self._due != iteration or train_args is None:
             self._due = None
             return False
         self._due = None
-        x = self._inputs
+        x = train_args
+        kwargs = {name: x.get(name) for name in extra}
         hooks = ddp.forward_pre_hooks_on(x["model"])
         ddp.set_forward_pre_hooks(x["model"], False)
         try:
             training_module.evaluate_and_print_results(
                 f"iteration {iteration}", x["forward_step_func"], valid_iterator, x["model"],
                 iteration, x["process_non_loss_data_func"], x["config"], verbose=False,
-                write_to_tensorboard=True, non_loss_data_func=x["non_loss_data_func"])
+                write_to_tensorboard=True, non_loss_data_func=x.get("non_loss_data_func"),
+                **kwargs)
         finally:
             ddp.set_forward_pre_hooks(x["model"], hooks)
         self.redone.append(iteration)

@@ -34,11 +34,11 @@ from typing import Any, Callable, Optional
 from ..config import DeadpoolConfig, add_deadpool_args
 from ..errors import ConfigError, UnsupportedConfigError
 from ..recovery.quiet import CollectiveSuppressor
-from . import ddp, training_globals
+from . import ddp, tags, training_globals
 from .checkpoints import CheckpointContexts
 from .evaluation import Evaluations
 from .iterators import PretrainIterators
-from .lm_rules import check_megatron_version, mark_sections, unsupported_args
+from .lm_rules import mark_sections, unsupported_args
 from .train_state import MegatronTrainState
 
 # ---------------------------------------------------------------------------- session
@@ -56,6 +56,8 @@ class _Session:
     checkpoints: CheckpointContexts = field(default_factory=CheckpointContexts)
     iterators: PretrainIterators = field(default_factory=PretrainIterators)
     evaluations: Evaluations = field(default_factory=Evaluations)
+    tag: Optional[tags.Tag] = None  # the Megatron-LM tree's (tags.py), with --deadpool
+    train_args: Optional[dict] = None  # what pretrain() gave train() (_wrap_train)
     start_iteration: Optional[int] = None  # the first iteration train() ran in this process
     held_param_sync: Any = None   # ddp.realign_forward_pre_hooks: back after the redone step
 
@@ -96,9 +98,10 @@ def join(args) -> None:
     _S.args = args
     if not getattr(args, "deadpool", False):
         return
-    from megatron.core import package_info
+    from megatron.training import training  # <tree>/megatron/training/training.py
 
-    check_megatron_version(package_info.__version__)
+    _S.tag = tags.patched_tag(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(training.__file__)))))
     bad = unsupported_args(args)
     if bad:
         raise UnsupportedConfigError("--deadpool does not support: " + "; ".join(bad))
@@ -144,7 +147,7 @@ def attach(model, optimizer, scheduler, dataset_provider=None) -> None:
 
     _S.checkpoints.wrap(training_module)
     _S.iterators.wrap(training_module)
-    _S.evaluations.wrap(training_module, after=_after_train)
+    _wrap_train(training_module)
     _S.handle.attach(model=model, optimizer=optimizer, scheduler=scheduler,
                      train_state=_S.state)
     if _S.handle.promoted:
@@ -180,14 +183,30 @@ def _end_solitary_startup(iteration: int) -> None:
         _S.quiet.stop()
         _S.quiet = None
         _reapply_rng()
-    _S.evaluations.run_if_due(training, iteration, _S.iterators.valid())
+    _S.evaluations.run_if_due(training, iteration, _S.iterators.valid(), _S.train_args,
+                              _S.tag.eval_kwargs)
 
 
-def _after_train() -> None:
-    """``train()`` returned: after a restore to the last iteration its loop ran no
-    ``before_step``; end the spare's solitary startup and redo the evaluation here."""
-    if _enabled():
+def _wrap_train(training_module) -> None:
+    """Record what pretrain() gives ``train()`` (the evaluation's inputs; on some tags
+    holders of process groups, rebound like the model's), and, when it returns after a
+    restore to the last iteration (its loop ran no ``before_step``), end a spare's
+    solitary startup and redo the evaluation there. Idempotent."""
+    orig = training_module.train
+    if getattr(orig, "_deadpool", False):
+        return
+    sig = inspect.signature(orig)
+
+    def train(*a, **k):
+        _S.train_args = dict(sig.bind_partial(*a, **k).arguments)
+        holders = [_S.train_args.get(n) for n in _S.tag.train_group_holders]
+        _S.handle.protect_groups_of([h for h in holders if h is not None])
+        out = orig(*a, **k)
         _end_solitary_startup(_S.state.iteration)
+        return out
+
+    train._deadpool = True
+    training_module.train = train
 
 
 def after_step(iteration: int, flops: float, loss_dict: Optional[dict] = None) -> None:
@@ -223,6 +242,7 @@ def recover(exc: BaseException):
     train_it, valid_it = _S.iterators.rebuild(training, _S.dataset_provider, chunks)
     _reapply_rng()
     training_globals.reset_after_restore(_S.state.iteration)
+    _S.tag.forget_collective_caches(_S.optimizer)
     _S.evaluations.arm(_S.args, _S.state.iteration, _S.handle.restored_meta)
     # --overlap-param-gather: pre-hooks on as in a failure-free run (off in the first step)
     it = _S.state.iteration  # (at the last iteration the loop ends: no hooks, no sync)

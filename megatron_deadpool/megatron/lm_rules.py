@@ -1,5 +1,5 @@
 """Pure rules of the Megatron-LM integration (no Megatron import): which flags ``--deadpool``
-refuses, which megatron-core versions it supports, and the CPU-only flags
+refuses, which megatron-core wheel the reference trainer supports, and the CPU-only flags
 ``deadpool launch --device cpu`` adds. Used by ``lm.py`` and by the launcher before any
 worker starts. Also which Megatron-LM functions run in which section (``mark_sections``)."""
 
@@ -10,6 +10,8 @@ from typing import Callable, ContextManager, List, Tuple
 
 from ..errors import ConfigError
 
+# The megatron-core *wheel* the reference trainer and the demo run on (Python 3.11, the local
+# CPU torch). Megatron-LM trees are identified by tag instead (tags.py).
 SUPPORTED_MEGATRON = ("0.16.1",)
 
 
@@ -51,6 +53,16 @@ def unsupported_args(args) -> List[str]:
         (g("nccl_ub"), "--use-nccl-ub (NCCL user buffers)"),
         (g("use_megatron_fsdp"), "--use-megatron-fsdp"),
         (g("use_torch_fsdp2"), "--use-torch-fsdp2"),
+        # flags of core_v0.19.0 (absent on core_v0.16.1: getattr gives the default)
+        (g("full_validation"), "--full-validation (the evaluation length is agreed by a "
+         "collective while the data iterators are built, which a promoted spare builds "
+         "alone)"),
+        (g("step_batch_size_schedule") is not None, "--step-batch-size-schedule (untested "
+         "through a swap)"),
+        (g("exit_signal_handler_for_training"), "--exit-signal-handler-for-training (its "
+         "handler ends the job on a signal that DeadPool's fault handling uses)"),
+        ((g("gtp_weight_remat_size") or 1) > 1, "--tensor-parallel-num-weight-shards beyond "
+         "the TP size (weight-rematerialization groups, untested through a swap)"),
         (g("use_precision_aware_optimizer"), "--use-precision-aware-optimizer (its main "
          "params and moments are read through copies, so a restore could not write them "
          "back)"),
@@ -68,7 +80,8 @@ def unsupported_argv(argv: List[str]) -> List[str]:
                  "--async-save",
                  "--perform-rl-step", "--hybrid-context-parallel", "--fake-process-group",
                  "--multiple-validation-sets", "--tp-comm-overlap", "--use-megatron-fsdp",
-                 "--use-torch-fsdp2", "--use-precision-aware-optimizer"):
+                 "--use-torch-fsdp2", "--use-precision-aware-optimizer", "--full-validation",
+                 "--exit-signal-handler-for-training"):
         p.add_argument(flag, action="store_true")
     p.add_argument("--use-nccl-ub", action="store_true", dest="nccl_ub")
     for flag in ("--context-parallel-size", "--num-distributed-optimizer-instances"):
@@ -76,20 +89,12 @@ def unsupported_argv(argv: List[str]) -> List[str]:
     for flag in ("--deadpool-resume", "--deadpool-fallback-save"):
         p.add_argument(flag, default=None)
     for flag in ("--non-persistent-ckpt-type", "--dataloader-type", "--yaml-cfg",
-                 "--cuda-graph-impl"):
+                 "--cuda-graph-impl", "--step-batch-size-schedule"):
         p.add_argument(flag, default=None)
     p.add_argument("--rampup-batch-size", nargs="*", default=None)
     p.add_argument("--phase-transition-iterations", default=None)
     ns, _ = p.parse_known_args(argv)
     return unsupported_args(ns)
-
-
-def check_megatron_version(version: str) -> None:
-    if version not in SUPPORTED_MEGATRON:
-        raise ConfigError(
-            f"--deadpool supports Megatron-LM {', '.join(SUPPORTED_MEGATRON)} (tag core_v0.16.1); "
-            f"this tree is {version}. Check out core_v0.16.1 and apply patches/ with "
-            "scripts/apply_patches.sh")
 
 
 def check_installed_megatron_core() -> None:

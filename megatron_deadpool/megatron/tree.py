@@ -16,6 +16,7 @@ import sysconfig
 from typing import Callable, Dict, Optional
 
 from ..errors import ConfigError
+from . import tags
 
 PATCH_MARKER = ("megatron/training/training.py", "deadpool_lm.recover(")
 DATASETS = os.path.join("megatron", "core", "datasets")
@@ -45,17 +46,17 @@ def is_patched(root: str) -> bool:
         return False
 
 
-def check_for_deadpool(root: str) -> None:
-    """A clear error at launch, before any worker starts, for a tree --deadpool cannot use."""
-    from .lm import check_megatron_version
-
-    v = version(root)
-    if v is None:
+def check_for_deadpool(root: str) -> "tags.Tag":
+    """A clear error at launch, before any worker starts, for a tree --deadpool cannot use:
+    not a supported tag (by its files' hashes), not patched, or a Python too old for it."""
+    if version(root) is None:
         raise ConfigError(f"{root} has no megatron/core/package_info.py: not a Megatron-LM tree")
-    check_megatron_version(v)
-    if not is_patched(root):
-        raise ConfigError(f"the Megatron-LM tree {root} is not patched for --deadpool: run "
-                          f"scripts/apply_patches.sh {root}")
+    tag = tags.patched_tag(root)
+    if sys.version_info[:2] < tag.python:
+        raise ConfigError(f"Megatron-LM {tag.name} needs Python >= "
+                          f"{'.'.join(map(str, tag.python))}; this is "
+                          f"{sys.version.split()[0]} (README: supported tags)")
+    return tag
 
 
 def ext_suffix() -> str:

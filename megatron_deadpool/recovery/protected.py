@@ -68,9 +68,7 @@ class Protected:
         self._gloo_tids: set = set()
         self._cpu_start: Optional[cpu.Sample] = None
         self._cpu_last: Optional[cpu.Sample] = None
-        # progress(): when the newest snapshot began (its lag ends at Mirror.last_done)
-        self._t_begin = 0.0
-        self._wait_mark = 0.0
+        self._t_begin = self._wait_mark = 0.0  # progress(): newest snapshot's start, waits
 
     CPU_WINDOW_START = 3  # steps before it (startup, first allocations) are not counted
 
@@ -153,12 +151,14 @@ class Protected:
 
         optimizer.step = step
 
+    def protect_groups_of(self, holders) -> None:
+        """More holders of process groups, rebound like the model's (``rebind.GroupSlots``)."""
+        self.slots.add(holders)
+
     def progress(self, iteration: int) -> dict:
-        """For the progress line of ``iteration``, before its snapshot begins:
-        ``mirror_lag_s``, how long after the previous step's optimizer step its snapshot
-        (iteration - 1) was done: copied, sent, verified (None: none, e.g. the first step
-        after a restore), and ``mirror_wait_s``, how long this step's optimizer step waited
-        for it."""
+        """For ``iteration``'s progress line: ``mirror_lag_s``, how long after the previous
+        optimizer step its snapshot was copied, sent and verified (None: none, e.g. the first
+        step after a restore); ``mirror_wait_s``, how long this optimizer step waited."""
         m = self.mirror
         waited, self._wait_mark = m.wait_s - self._wait_mark, m.wait_s
         done = m.last_done  # (iteration, when its job ended), from the mirror thread

@@ -157,16 +157,23 @@ class GroupSlots:
     """The recorded slots of the attached objects."""
 
     def __init__(self, roots: Sequence[Any]):
-        self.roots = list(roots)
-        roles = current_roles()
+        self.roots: List[Any] = []
         self.slots: List[Slot] = []
         self.unknown: List[str] = []
-        for ri, path, group in walk(self.roots):
+        self.add(roots)
+
+    def add(self, roots: Sequence[Any]) -> None:
+        """Walk more roots (holders found later, e.g. train()'s arguments) and record their
+        slots; each is rebound and audited with the others."""
+        first = len(self.roots)
+        self.roots.extend(roots)
+        roles = current_roles()
+        for ri, path, group in walk(self.roots[first:]):
             role = roles.get(id(group))
             if role is None:
-                self.unknown.append(Slot(ri, path, "?").describe())
+                self.unknown.append(Slot(first + ri, path, "?").describe())
                 continue
-            self.slots.append(Slot(ri, path, role))
+            self.slots.append(Slot(first + ri, path, role))
 
     def __len__(self):
         return len(self.slots)
