@@ -91,14 +91,17 @@ def reference(tree, tag, tmp_path_factory):
     return _REFERENCE[tag]
 
 
-def _load_run(tree, d, ck, name):
-    """Resume from ``ck`` (copied) to iteration 16, on the checkpoint's LR schedule."""
+def _load_run(tree, d, ck, name, inject=(), at=None):
+    """Resume from ``ck`` (copied; ``at``: from that saved iteration, not the newest) to
+    iteration 16, on the checkpoint's LR schedule (``inject``: a failure after the load)."""
     more = list(BASE) + ["--use-checkpoint-opt_param-scheduler"]
     more[more.index("--train-iters") + 1] = "16"
     src = d / f"{name}-ck"
     shutil.copytree(ck, src)
-    _, s = _run(tree, d, name, more + ["--load", str(src)], spares=1)
-    assert s["recoveries"] == [], s
+    if at is not None:
+        (src / "latest_checkpointed_iteration.txt").write_text(str(at))
+    _, s = _run(tree, d, name, more + ["--load", str(src)], spares=1, inject=inject)
+    assert len(s["recoveries"]) == len(inject), s
     return s
 
 
@@ -190,5 +193,20 @@ def test_a_node_killed_during_a_save(tree, reference, tmp_path):
     c = compare(tree, str(tmp_path / "ck" / "iter_0000008"), str(ck_r / "iter_0000008"))
     assert c["equal"] and c["tensors"] > 0, c
     a = _load_run(tree, tmp_path, tmp_path / "ck", "resume-k")
-    b = _load_run(tree, tmp_path, ck_r, "resume-r")
+    b = _load_run(tree, tmp_path, ck_r, "resume-r", at=8)
+    assert a["final_state_sha256"] == b["final_state_sha256"] and a["losses"] == b["losses"]
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: after a --load at start, a swap recovers "
+                   "but the optimizer state after the restore differs from the failure-free "
+                   "run's (cause not established; README support table)")
+@pytest.mark.parametrize("tag", [pytest.param(OLDER, id=OLDER)])
+def test_load_at_start_then_a_swap(tree, reference, tmp_path):
+    """``--load`` of the failure-free checkpoint 12, 4 more iterations, node 2 killed at 14:
+    the job recovers (before the CPU stand-in that unshares torch Adam's loaded ``step``,
+    the spare refused the buddy's copy: "layout mismatch") and must end bitwise equal to
+    the same resume without the kill."""
+    _, ck_r, _ = reference
+    a = _load_run(tree, tmp_path, ck_r, "load-kill", inject=["kill:node=2@iter=14"])
+    b = _load_run(tree, tmp_path, ck_r, "load-plain")
     assert a["final_state_sha256"] == b["final_state_sha256"] and a["losses"] == b["losses"]

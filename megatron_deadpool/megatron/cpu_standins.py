@@ -12,7 +12,8 @@ module does, in plain torch, and nothing else:
   and leaves the name undefined when TE is absent, so MoE routing raises ``NameError`` in
   ``router_gating_linear``. core_v0.19.0 sets it to ``None`` (the plain matmul path);
   the stand-in does the same on 0.16.1.
-* ``empty_adam_state_dict``: ``--load`` on the fp32 torch-Adam path (below).
+* ``empty_adam_state_dict``: ``--load`` on the fp32 torch-Adam path (below), including a
+  ``step`` tensor that the load shares between all parameters (``_unshare_steps``).
 """
 
 from __future__ import annotations
@@ -99,6 +100,26 @@ def empty_adam_state_dict() -> None:
 
     def load_state_dict(self, sd):
         with torch.no_grad():
-            return load(self, sd)
+            out = load(self, sd)
+        _unshare_steps(self.optimizer)
+        return out
 
     do.DistributedOptimizer.load_state_dict = load_state_dict
+
+
+def _unshare_steps(inner) -> None:
+    """The same path loads torch Adam's per-parameter ``step`` as *one* tensor shared by
+    every parameter's state (``s["step"] = step`` for all), so that after a ``--load`` each
+    step of torch's single-tensor Adam increments it once per parameter, and every copy of
+    the state sees a layout that a freshly built optimizer does not have (a promoted spare's
+    restore refused the buddy's copy: "layout mismatch"). Each parameter gets its own step,
+    as torch Adam creates it."""
+    if not isinstance(inner, torch.optim.Optimizer):
+        return
+    seen = set()
+    for state in inner.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            if id(step) in seen:
+                state["step"] = step.detach().clone()
+            seen.add(id(state["step"]))
