@@ -19,7 +19,7 @@
 #   TRAINER_FLAGS      instead of PRESET: the trainer flags themselves
 #   EXTRA_FLAGS        appended to the trainer flags (e.g. "--train-iters 100")
 #   DEADPOOL_REPLICAS  K, buddy copies of every rank's state (1); the plan checks it fits
-#   MEGATRON_LM_DIR    a Megatron-LM tree at core_v0.16.1 with patches/ applied: run its
+#   MEGATRON_LM_DIR    a Megatron-LM tree at core_v0.16.1 or core_v0.19.0 (Python 3.12) with patches/ applied: run its
 #                      pretrain_gpt.py instead of the reference trainer
 #   DEADPOOL_REPO      this repository (default: $SLURM_SUBMIT_DIR)
 #   DEADPOOL_PYTHON    the Python that has megatron_deadpool (default: python3 on PATH)
