@@ -197,15 +197,14 @@ def test_a_node_killed_during_a_save(tree, reference, tmp_path):
     assert a["final_state_sha256"] == b["final_state_sha256"] and a["losses"] == b["losses"]
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: after a --load at start, a swap recovers "
-                   "but the optimizer state after the restore differs from the failure-free "
-                   "run's (cause not established; README support table)")
-@pytest.mark.parametrize("tag", [pytest.param(OLDER, id=OLDER)])
+@pytest.mark.parametrize("tag", BOTH)
 def test_load_at_start_then_a_swap(tree, reference, tmp_path):
-    """``--load`` of the failure-free checkpoint 12, 4 more iterations, node 2 killed at 14:
-    the job recovers (before the CPU stand-in that unshares torch Adam's loaded ``step``,
-    the spare refused the buddy's copy: "layout mismatch") and must end bitwise equal to
-    the same resume without the kill."""
+    """``--load`` of the failure-free checkpoint 12 (with the checkpoint's LR schedule), 4
+    more iterations, node 2 killed at 14: bitwise equal to the same resume without the
+    kill. Two defects were found here: the CPU path's load shared one torch Adam ``step``
+    between all parameters (the spare refused the buddy's copy: "layout mismatch"), and
+    the snapshot carried only the scheduler's step count, so a promoted spare, which never
+    loads a checkpoint, ran the arguments' LR schedule instead of the checkpoint's."""
     _, ck_r, _ = reference
     a = _load_run(tree, tmp_path, ck_r, "load-kill", inject=["kill:node=2@iter=14"])
     b = _load_run(tree, tmp_path, ck_r, "load-plain")

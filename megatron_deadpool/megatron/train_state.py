@@ -77,6 +77,11 @@ def capture(iteration: int, train_state, scheduler, optimizer, with_cuda: bool) 
         meta["extra"] = train_state.extra_state()
     if scheduler is not None:
         meta["scheduler_num_steps"] = int(scheduler.num_steps)
+        if hasattr(scheduler, "state_dict"):  # its settings too: after a --load with
+            # --use-checkpoint-opt_param-scheduler they come from the checkpoint, and a
+            # promoted spare, which never loads one, built its own from the arguments
+            meta["scheduler"] = {k: v for k, v in scheduler.state_dict().items()
+                                 if v is None or isinstance(v, (int, float, str))}
     scaler = getattr(optimizer, "grad_scaler", None)
     if scaler is not None and hasattr(scaler, "state_dict"):
         meta["grad_scaler"] = scaler.state_dict()
@@ -89,6 +94,9 @@ def apply(meta: dict, train_state, scheduler, optimizer) -> None:
     if "extra" in meta and hasattr(train_state, "load_extra_state"):
         train_state.load_extra_state(meta["extra"])
     if scheduler is not None and "scheduler_num_steps" in meta:
+        for k, v in meta.get("scheduler", {}).items():
+            if hasattr(scheduler, k):
+                setattr(scheduler, k, v)
         scheduler.num_steps = meta["scheduler_num_steps"]
         scheduler.step(increment=0)
     scaler = getattr(optimizer, "grad_scaler", None)
