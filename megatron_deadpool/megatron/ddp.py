@@ -102,9 +102,8 @@ def realign_forward_pre_hooks(model_chunks: Sequence, args, after_first_step: bo
     return after_first_step, held
 
 
-def release_param_sync(model_chunks: Sequence, held: Optional[Callable]) -> None:
+def release_param_sync(model_chunks: Sequence, held: Callable) -> None:
     """Put back the ``param_sync_func`` that ``realign_forward_pre_hooks`` held."""
     from megatron.core.utils import get_model_config
 
-    if held is not None:
-        get_model_config(model_chunks[0]).param_sync_func = held
+    get_model_config(model_chunks[0]).param_sync_func = held

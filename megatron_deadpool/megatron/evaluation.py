@@ -34,7 +34,6 @@ def due(args, iteration: int, meta: Optional[dict]) -> bool:
 class Evaluations:
     def __init__(self) -> None:
         self._due: Optional[int] = None
-        self.redone: list = []  # iterations whose evaluation was redone
 
     def arm(self, args, iteration: int, meta: Optional[dict]) -> None:
         """After a restore to ``iteration`` with metadata ``meta``."""
@@ -62,5 +61,4 @@ class Evaluations:
                 **kwargs)
         finally:
             ddp.set_forward_pre_hooks(x["model"], hooks)
-        self.redone.append(iteration)
         return True

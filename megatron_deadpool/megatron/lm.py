@@ -117,8 +117,6 @@ def join(args) -> None:
     args.rank, args.world_size = _S.handle.rank, _S.handle.world_size
     if _S.handle.promoted:
         training_globals.adopt_rank(args)
-    from megatron.training import training
-
     mark_sections(training, _S.handle.section)  # save, eval, data: their own timeouts
 
 
@@ -221,8 +219,9 @@ def after_step(iteration: int, flops: float, loss_dict: Optional[dict] = None) -
         return
     _S.state.iteration = iteration
     _S.state.flops = float(flops)
-    ddp.release_param_sync(_S.model, _S.held_param_sync)
-    _S.held_param_sync = None
+    if _S.held_param_sync is not None:  # only after a restore (ddp.realign_forward_pre_hooks)
+        ddp.release_param_sync(_S.model, _S.held_param_sync)
+        _S.held_param_sync = None
     _S.handle.after_step(iteration, loss=loss)
 
 

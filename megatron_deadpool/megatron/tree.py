@@ -18,7 +18,6 @@ from typing import Callable, Dict, Optional
 from ..errors import ConfigError
 from . import tags
 
-PATCH_MARKER = ("megatron/training/training.py", "deadpool_lm.recover(")
 DATASETS = os.path.join("megatron", "core", "datasets")
 
 
@@ -39,11 +38,9 @@ def version(root: str) -> Optional[str]:
 
 
 def is_patched(root: str) -> bool:
-    path, marker = PATCH_MARKER
-    try:
-        return marker in open(os.path.join(root, path)).read()
-    except OSError:
-        return False
+    """The tree is a supported tag with its patch series applied (tags.py)."""
+    tag, state = tags.identify(root)
+    return tag is not None and state == "post"
 
 
 def check_for_deadpool(root: str) -> "tags.Tag":
