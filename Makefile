@@ -13,7 +13,8 @@ $(BIN)/python:
 
 $(VENV)/.installed: setup.py pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -U pip
-	# torch==2.13.0 first: on CPU machines it resolves to the local CPU build.
+	# torch==2.13.0 first: where pip has a local CPU wheel (this project's CI machines) it
+	# resolves to that CPU build; on plain PyPI it is the CUDA build, which also runs on CPU.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[test,megatron-lm]"
 	touch $@

@@ -15,7 +15,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_deadpool", "megatron_deadpool.*"]),
-    # torch: install torch==2.13.0 first on CPU machines (a bare `torch` pulls a CUDA build).
+    # torch: install torch==2.13.0 first (a CPU build where pip has a local CPU wheel; PyPI
+    # serves the CUDA build, which runs on CPU too).
     # crc32c: the snapshot checksum (CRC-32C in hardware, SSE4.2 / ARMv8; GIL released)
     # megatron-core: the reference trainer's and the demo's is 0.16.1 (Python 3.11, the local
     # CPU torch build); on 3.12, the environment of the core_v0.19.0 tests, 0.19.0.
@@ -34,5 +35,5 @@ setup(
         # apex is a source install: see README "GPU extras".
         "gpu": ["transformer-engine[pytorch]"],
     },
-    entry_points={"console_scripts": ["deadpool=megatron_deadpool.cli:main"]},
+    entry_points={"console_scripts": ["deadpool=megatron_deadpool.apps.cli:main"]},
 )

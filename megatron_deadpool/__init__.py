@@ -5,10 +5,10 @@ threads or read the environment. Everything is switched on explicitly. ``Deadpoo
 loaded on first use (it pulls in torch).
 """
 
-from .config import DeadpoolConfig, add_deadpool_args
-from .errors import (ConfigError, DeadpoolError, JobStopped, MirrorCorruptError, MirrorError,
-                     NoCommittedStateError, NoSpareError, RebindAuditError,
-                     StaleGenerationError, StopReason, TokenError, UnsupportedConfigError)
+from .base.config import DeadpoolConfig, add_deadpool_args
+from .base.errors import (ConfigError, DeadpoolError, JobStopped, MirrorCorruptError,
+                          MirrorError, NoCommittedStateError, NoSpareError, RebindAuditError,
+                          StaleGenerationError, StopReason, TokenError, UnsupportedConfigError)
 
 __version__ = "0.1.0"
 

@@ -19,7 +19,7 @@ callers of exactly these methods:
     dp.shutdown(exc)                 # on an error path: report it, free communicators
 
 With ``config.enabled`` False every call degrades to plain torch.distributed/megatron setup.
-The enabled runtime lives in ``recovery/runtime.py``; this class only wires it.
+The enabled runtime lives in ``control/runtime.py``; this class only wires it.
 """
 
 from __future__ import annotations
@@ -31,13 +31,10 @@ import time
 from datetime import timedelta
 from typing import Iterator, Optional
 
-from .config import DeadpoolConfig
-from .faults import Phase as FaultPhase
-from .sections import checked_name
-from .megatron import shard
-from .worker_env import PROGRESS_PREFIX, WorkerEnv
-
-SECTION_FAULTS = (FaultPhase.SAVE, FaultPhase.EVAL)  # fault phases fired on entering a section
+from .adapters import shard
+from .base.config import DeadpoolConfig
+from .base.sections import checked_name
+from .base.worker_env import PROGRESS_PREFIX, WorkerEnv
 
 
 class Deadpool:
@@ -54,8 +51,8 @@ class Deadpool:
             self.device = torch.device("cuda", self.local_rank)
         else:
             self.device = torch.device("cpu")
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self._rank = int(os.environ.get("RANK", "0"))  # without the runtime (disabled)
+        self._world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self._runtime = None  # the enabled runtime (membership, mirror, recovery)
         self.results_dir = os.environ.get("DEADPOOL_RESULTS_DIR")
         self._loss_log = None
@@ -91,33 +88,54 @@ class Deadpool:
             self._init_process_group_plain()
         return self
 
+    @classmethod
+    def over_default_group(cls, config: DeadpoolConfig, device: str, backend: str
+                           ) -> "Deadpool":
+        """A handle with the mirror off over an initialized default group (its rank)."""
+        import torch.distributed as dist
+
+        self = cls(config, device, backend)
+        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        return self
+
     def _make_runtime(self, env: WorkerEnv):
+        from .control.protected import MirrorSettings, Protected
+        from .control.runtime import Runtime
         from .membership import auth
         from .membership.member import Member
         from .mirror import snapshot
+        from .mirror.meter import NO_METER, Meter
         from .recovery.phases import EventSink
-        from .recovery.protected import Protected
-        from .recovery.runtime import Runtime
         from .recovery.world import World
 
         cfg = self.config
         secret = auth.load_secret()
+        sink = EventSink(cfg.events_path)
         member = Member(env.lid, env.node, env.store_host, env.store_port, secret,
                         cfg.heartbeat_interval_s, cfg.rendezvous_timeout_s)
         world = World(self.backend, env.store_port, cfg.rendezvous_timeout_s,
-                      cfg.collective_timeout_s, EventSink(cfg.events_path).emit,
+                      cfg.collective_timeout_s, sink.emit,
                       gloo_op_timeout_s=cfg.gloo_op_timeout_s,
                       regroup_timeout_s=cfg.regroup_timeout_s)
-        return Runtime(self, cfg, env, member, world,
-                       Protected(cfg.replicas, (cfg.rendezvous_timeout_s, cfg.gloo_op_timeout_s),
-                                 snapshot.job_id(secret), cfg.fallback_save_dir,
-                                 cfg.fallback_every, cfg.mirror_transport, env.store_host,
-                                 secret))
+        settings = MirrorSettings(
+            replicas=cfg.replicas, create_timeout_s=cfg.rendezvous_timeout_s,
+            op_timeout_s=cfg.gloo_op_timeout_s, transport=cfg.mirror_transport,
+            store_host=env.store_host, secret=secret, job_id=snapshot.job_id(secret),
+            fallback_dir=cfg.fallback_save_dir, fallback_every=cfg.fallback_every)
+        # a launched job reports what the mirror costs (progress line, rank results, bench)
+        meter = Meter() if env.results_dir or cfg.events_path else NO_METER
+        return Runtime(cfg, env, member, world, Protected(settings, meter, sink.emit), sink,
+                       with_cuda=self.device.type == "cuda")
 
-    def set_rank(self, rank: int, world_size: int) -> None:
+    @property
+    def rank(self) -> int:
         """This process's rank in the current generation (a spare takes a dead rank's)."""
-        self.rank, self.world_size = rank, world_size
-        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
+        return self._runtime.state.rank if self._runtime is not None else self._rank
+
+    @property
+    def world_size(self) -> int:
+        return (self._runtime.state.world_size if self._runtime is not None
+                else self._world_size)
 
     def _init_process_group_plain(self) -> None:
         import torch.distributed as dist
@@ -152,7 +170,7 @@ class Deadpool:
         """Objects besides the attached ones that hold process groups (e.g. arguments a
         training loop receives): rebound after every rebuild, like the model's."""
         if self._runtime is not None and holders:
-            self._runtime.att.protect_groups_of(list(holders))
+            self._runtime.protect_groups_of(list(holders))
 
     # ------------------------------------------------------------------ loop
     def before_step(self, iteration: int) -> None:
@@ -171,12 +189,8 @@ class Deadpool:
         last = bool(self.results_dir) and self.rank == self.world_size - 1
         rec = self._progress(iteration, loss, now) if last else None
         if rt is not None:
-            rt.member.sections.step_done()
-            n = len(rt.recoveries)
-            rt.after_step(iteration)
-            rt.sink.emit("step", rank=self.rank, iteration=iteration)  # for report
-            if rec is not None and len(rt.recoveries) > n:
-                r = rt.recoveries[-1]
+            r = rt.step_done(iteration)
+            if rec is not None and r is not None:
                 rec["recovery"] = {k: r.get(k) for k in ("generation", "restored_iter",
                                                          "failed_ranks", "phases_s")}
         if loss is not None and last:
@@ -198,19 +212,12 @@ class Deadpool:
         Raises:
             ConfigError: an unknown section name.
         """
-        rt = self._runtime
-        if rt is None:
+        if self._runtime is None:
             checked_name(name)
             yield
             return
-        rt.member.sections.enter(name)
-        try:
-            if name in SECTION_FAULTS and rt.faults.due(rt.att.iteration, name):
-                rt.member.wait_beat_of_section()  # the decider knows the section first
-                rt.faults(rt.att.iteration, name)
+        with self._runtime.section(name):
             yield
-        finally:
-            rt.member.sections.leave()
 
     def _progress(self, iteration: int, loss: Optional[float], now: float) -> dict:
         """One iteration's progress record: loss, step seconds (since ``before_step``, or
@@ -219,9 +226,8 @@ class Deadpool:
         rec = {"iteration": iteration, "loss": loss, "rank": self.rank,
                "step_s": None if self._t_step is None else now - self._t_step,
                "mirror_lag_s": None, "mirror_wait_s": None, "generation": None}
-        rt = self._runtime
-        if rt is not None and rt.att.mirror is not None:
-            rec.update(rt.att.progress(iteration), generation=rt.plan.gen)
+        if self._runtime is not None:
+            rec.update(self._runtime.progress(iteration))
         return rec
 
     @property
@@ -232,7 +238,7 @@ class Deadpool:
     @property
     def restored_meta(self) -> Optional[dict]:
         """The snapshot metadata of the last restore (RNG, counters), or None."""
-        return self._runtime.att.restored_meta if self._runtime is not None else None
+        return self._runtime.restored_meta if self._runtime is not None else None
 
     def recover(self, exc: BaseException) -> None:
         """The recovery boundary: call from the one ``except`` around the loop body.
@@ -270,7 +276,7 @@ class Deadpool:
         (RNG states, iteration, consumed samples, scheduler, grad scaler)."""
         import torch.distributed as dist
 
-        from .megatron import train_state as state_io
+        from .adapters import train_state as state_io
 
         resume = None
         if train_state is not None:

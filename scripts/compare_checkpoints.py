@@ -9,7 +9,7 @@ Prints one JSON object (equal, tensors, only_in_a, only_in_b, differing); exit 0
 import json
 import sys
 
-from megatron_deadpool.megatron.checkpoints import compare
+from megatron_deadpool.adapters.checkpoints import compare
 
 
 def main(argv) -> int:

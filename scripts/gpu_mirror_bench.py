@@ -55,7 +55,7 @@ def start(trainer_argv):
 
     args = parse_args(trainer_argv + ["--deadpool", "--deadpool-replicas", "0"])
     if args.device == "cpu":
-        from megatron_deadpool.megatron import cpu_mode
+        from megatron_deadpool.adapters import cpu_mode
 
         cpu_mode.enable()
         torch.set_num_threads(1)
@@ -127,8 +127,8 @@ def state_tensors(p):
 
 def snapshot_state(p, optimizer, state, scheduler, where):
     """A copy of everything a restore must bring back (tensors on ``where``)."""
-    from megatron_deadpool.megatron import shard
-    from megatron_deadpool.megatron import train_state as ts
+    from megatron_deadpool.adapters import shard
+    from megatron_deadpool.adapters import train_state as ts
 
     meta = ts.capture(state.iteration, state, scheduler, optimizer,
                       with_cuda=p._with_cuda)
@@ -139,8 +139,8 @@ def snapshot_state(p, optimizer, state, scheduler, where):
 def same_state(p, optimizer, state, scheduler, saved):
     import torch
 
-    from megatron_deadpool.megatron import shard
-    from megatron_deadpool.megatron import train_state as ts
+    from megatron_deadpool.adapters import shard
+    from megatron_deadpool.adapters import train_state as ts
 
     live = state_tensors(p)
     diff = [i for i, (a, b) in enumerate(zip(live, saved["tensors"]))
@@ -240,7 +240,8 @@ def main() -> int:
     argv = [x for x in a.trainer_argv if x != "--"]
     import torch
 
-    from megatron_deadpool.recovery.protected import Protected
+    from megatron_deadpool.control.protected import MirrorSettings, Protected
+    from megatron_deadpool.mirror.meter import Meter
 
     RESULT.update({"argv": argv, "torch": torch.__version__})
     try:
@@ -254,9 +255,11 @@ def main() -> int:
     args, device, model, optimizer, scheduler, state = start(argv)
     log(f"built: {RESULT['params']:,} parameters in {RESULT['build_s']:.1f} s")
     save(a.out)
-    p = Protected(replicas=0, collective_timeout_s=600)
-    p.attach(model, optimizer, scheduler, state, SimpleNamespace(rank=0, device=device),
-             SimpleNamespace(node_of_rank=[0]), lambda it, phase: None)
+    meter = Meter()
+    p = Protected(MirrorSettings(replicas=0, create_timeout_s=600, op_timeout_s=600), meter)
+    p.attach(model, optimizer, scheduler, state, rank=0, world_size=1,
+             with_cuda=device.type == "cuda", plan=SimpleNamespace(node_of_rank=[0], gen=0),
+             fault_points=lambda it, phase: None)
     run = lambda modes: train(args, device, model, optimizer, scheduler, state, p, modes)  # noqa: E731
     t0 = time.perf_counter()
     run(["off"] * a.warmup)  # the first call commits the initial state (allocates slots)
@@ -265,13 +268,13 @@ def main() -> int:
     log(f"in run: {json.dumps({k: RESULT['in_run'][k] for k in ('step_s_on', 'step_s_off', 'ratio_on_over_off')})}")
     m = p.mirror
     m.wait()
-    cs = m.copy_stats()
+    c = m.copier
+    cs = {"copies": c.copies, "bytes": c.bytes, "gpu_copy_s": c.gpu_copy_s, "runs": c.runs}
     RESULT["mirror"] = {"slot_bytes": m.layout.total_bytes,
                         "snapshot_tensor_bytes": m.layout.tensor_bytes,
                         "tensors": len(m.layout.entries), "copies_per_snapshot": cs["runs"],
-                        "host_bytes": m.host_bytes, "pinned_bytes": m.pinned_bytes,
-                        "jobs": m.jobs, "job_s": m.job_s, "waits": m.waits, "wait_s": m.wait_s,
-                        "copy_stats": cs,
+                        **m.memory(), "jobs": meter.jobs, "job_s": meter.job_s,
+                        "waits": meter.waits, "wait_s": meter.wait_s, "copy_stats": cs,
                         "snapshot_gbps": cs["bytes"] / cs["gpu_copy_s"] / 1e9
                         if cs["gpu_copy_s"] else None}
     save(a.out)

@@ -95,7 +95,7 @@ deadpool_trainer_flags() { # fills the array TRAIN_FLAGS
     read -r -d "" -a TRAIN_FLAGS <<< "$TRAINER_FLAGS" || true
   elif [ -n "${PRESET:-}" ]; then
     # Refuses (non-zero, naming the limit) a layout whose mirror does not fit host memory.
-    if ! "$DEADPOOL_PYTHON" -m megatron_deadpool.cli plan --preset "$PRESET" \
+    if ! "$DEADPOOL_PYTHON" -m megatron_deadpool.apps.cli plan --preset "$PRESET" \
         --system "${DEADPOOL_SYSTEM:?}" --nodes "$ACTIVE_NODES" \
         --replicas "${DEADPOOL_REPLICAS:-1}" > "$OUT/plan.txt"; then
       cat "$OUT/plan.txt"
@@ -103,7 +103,7 @@ deadpool_trainer_flags() { # fills the array TRAIN_FLAGS
     fi
     cat "$OUT/plan.txt"
     local flags
-    flags=$("$DEADPOOL_PYTHON" -m megatron_deadpool.cli plan --preset "$PRESET" \
+    flags=$("$DEADPOOL_PYTHON" -m megatron_deadpool.apps.cli plan --preset "$PRESET" \
       --system "$DEADPOOL_SYSTEM" --nodes "$ACTIVE_NODES" --replicas "${DEADPOOL_REPLICAS:-1}" \
       --flags)
     read -r -d "" -a TRAIN_FLAGS <<< "$flags" || true
@@ -157,7 +157,7 @@ deadpool_agent() { # the srun task on every node
     read -r -d "" -a launch_flags <<< "$DEADPOOL_LAUNCH_FLAGS" || true
   fi
   cd "$DEADPOOL_REPO" || exit 2
-  exec "$DEADPOOL_PYTHON" -m megatron_deadpool.cli launch --nodes "$ACTIVE_NODES" \
+  exec "$DEADPOOL_PYTHON" -m megatron_deadpool.apps.cli launch --nodes "$ACTIVE_NODES" \
     --procs-per-node "$PROCS_PER_NODE" --spare-nodes "$SPARE_NODES" --node-rank "$rank" \
     --master-addr "$addr" --master-port "$MASTER_PORT" --results-dir "$OUT/results" \
     --summary-json "$OUT/summary.json" "${script[@]}" "${launch_flags[@]}" "$@"

@@ -25,10 +25,10 @@ def layout_flags(tp: int, pp: int, iters: int, seed: int = 1234, world: int = 8)
 
 
 def deadpool(args, cwd, timeout=600, python=None):
-    """Run `python -m megatron_deadpool.cli ARGS` (this interpreter, or ``python``: the
+    """Run `python -m megatron_deadpool.apps.cli ARGS` (this interpreter, or ``python``: the
     Python 3.12 environment of core_v0.19.0, tests/mlm.py); returns CompletedProcess."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    return subprocess.run([python or sys.executable, "-m", "megatron_deadpool.cli", *args],
+    return subprocess.run([python or sys.executable, "-m", "megatron_deadpool.apps.cli", *args],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

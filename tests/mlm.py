@@ -72,7 +72,7 @@ VENV312 = REPO / ".venv312" / "bin" / "python"
 def python_for(tag: str) -> str:
     """The interpreter that runs ``tag``'s tree: this one if it is new enough, else
     ``DEADPOOL_PY312`` or ``.venv312`` (``make venv``); skips (fails in CI) if none."""
-    from megatron_deadpool.megatron.tags import TAGS
+    from megatron_deadpool.adapters.tags import TAGS
 
     need = next(t.python for t in TAGS if t.name == tag)
     if sys.version_info[:2] >= need:

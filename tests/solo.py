@@ -46,7 +46,7 @@ def start(argv=None):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_deadpool.megatron import cpu_mode
+    from megatron_deadpool.adapters import cpu_mode
     from megatron_deadpool.trainer import gpt
     from megatron_deadpool.trainer.args import parse_args
 
@@ -97,12 +97,14 @@ def protect(model, optimizer, scheduler, state, replicas: int = 0):
     """``Protected.attach`` as the runtime calls it, for a world of one (one node)."""
     import torch
 
-    from megatron_deadpool.recovery.protected import Protected
+    from megatron_deadpool.control.protected import MirrorSettings, Protected
+    from megatron_deadpool.mirror.meter import Meter
 
-    p = Protected(replicas=replicas, mirror_timeouts_s=(60, 60))
-    handle = SimpleNamespace(rank=0, device=torch.device("cpu"))
-    plan = SimpleNamespace(node_of_rank=[0])
-    p.attach(model, optimizer, scheduler, state, handle, plan, lambda it, phase: None)
+    # the meter a launched job attaches (its costs are what the tests read)
+    p = Protected(MirrorSettings(replicas=replicas, create_timeout_s=60, op_timeout_s=60), Meter())
+    plan = SimpleNamespace(node_of_rank=[0], gen=0)
+    p.attach(model, optimizer, scheduler, state, rank=0, world_size=1, with_cuda=False,
+             plan=plan, fault_points=lambda it, phase: None)
     return p
 
 

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from megatron_deadpool.errors import DeadpoolError, NoSpareError
+from megatron_deadpool.base.errors import DeadpoolError, NoSpareError
 from megatron_deadpool.membership.assign import assign_spares
 
 

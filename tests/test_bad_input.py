@@ -26,14 +26,13 @@ import torch
 import torch.distributed as dist
 
 from conftest import REPO, deadpool, layout_flags
-from megatron_deadpool.config import DeadpoolConfig
-from megatron_deadpool.errors import (ConfigError, MirrorCorruptError, NoSpareError,
-                                      TokenError)
+from megatron_deadpool.base.config import DeadpoolConfig
+from megatron_deadpool.base.errors import ConfigError, MirrorCorruptError, NoSpareError, TokenError
 from megatron_deadpool.launch.options import LaunchOptions, free_port, validate
-from megatron_deadpool.megatron import lm_rules
+from megatron_deadpool.adapters import lm_rules
 from megatron_deadpool.membership import store as st
 from megatron_deadpool.membership.assign import assign_spares
-from megatron_deadpool.config import DeciderConfig
+from megatron_deadpool.base.config import DeciderConfig
 from megatron_deadpool.membership.decider import Decider, Proc
 from megatron_deadpool.mirror import snapshot
 from megatron_deadpool.mirror.mirror import Mirror
@@ -72,7 +71,7 @@ def _launch(tmp_path, launch_args, trainer_flags, env=None):
         p = deadpool(["launch", *launch_args, *out_args, "--", *trainer_flags], cwd=tmp_path,
                      timeout=120)
     else:
-        p = subprocess.run([sys.executable, "-m", "megatron_deadpool.cli", "launch",
+        p = subprocess.run([sys.executable, "-m", "megatron_deadpool.apps.cli", "launch",
                             *launch_args, *out_args, "--", *trainer_flags], cwd=tmp_path,
                            env=env, capture_output=True, text=True, timeout=120)
     return p, summary, results

@@ -6,9 +6,9 @@ import json
 import pytest
 
 from conftest import deadpool
-from megatron_deadpool.bench_recovery import aggregate, check_world_sizes
-from megatron_deadpool.errors import DeadpoolError
-from megatron_deadpool.recovery.phases import PHASE_ORDER
+from megatron_deadpool.apps.bench_recovery import aggregate, check_world_sizes
+from megatron_deadpool.base.errors import DeadpoolError
+from megatron_deadpool.base.vocabulary import PHASE_ORDER
 
 
 def test_world_sizes_must_fit_tp2_pp2():

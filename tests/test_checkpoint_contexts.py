@@ -1,4 +1,4 @@
-"""Megatron-LM's checkpointing context across a hot swap (megatron/checkpoints.py): the
+"""Megatron-LM's checkpointing context across a hot swap (adapters/checkpoints.py): the
 save strategies that ``save_checkpoint`` caches hold the old generation's groups, so a
 recovery must drop them. Pure: a stand-in training module with Megatron's signature."""
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from megatron_deadpool.megatron.checkpoints import CheckpointContexts, compare
+from megatron_deadpool.adapters.checkpoints import CheckpointContexts, compare
 
 
 def _training_module(calls):
@@ -73,7 +73,7 @@ def test_rebuilt_iterators_reach_the_ones_pretrain_keeps():
     """pretrain()'s final evaluation reads the valid iterator it built: after a recovery
     that object must read the rebuilt stream (it read other batches than a failure-free
     run before)."""
-    from megatron_deadpool.megatron.iterators import PretrainIterators
+    from megatron_deadpool.adapters.iterators import PretrainIterators
 
     mod = _module()
     its = PretrainIterators()
@@ -94,7 +94,7 @@ def test_rebuilt_iterators_reach_the_ones_pretrain_keeps():
 def test_rebuilt_iterators_per_model_chunk():
     """With virtual pipeline stages pretrain() builds one pair per model chunk, each with
     the provider bound to its ``vp_stage``: the rebuild does the same, chunk by chunk."""
-    from megatron_deadpool.megatron.iterators import PretrainIterators
+    from megatron_deadpool.adapters.iterators import PretrainIterators
 
     mod = _module()
     its = PretrainIterators()

@@ -1,5 +1,5 @@
 """The commit rule (mirror/commit.py) as pure logic, and the check that decides whether a
-training step is a world-wide barrier (megatron/support.py: step_barrier)."""
+training step is a world-wide barrier (adapters/support.py: step_barrier)."""
 
 from types import SimpleNamespace
 
@@ -60,7 +60,7 @@ class _Opt:
 def test_step_barrier_needs_clipping_by_a_world_wide_norm(monkeypatch, clip, group, world, why):
     import torch.distributed as dist
 
-    from megatron_deadpool.megatron import shard, support
+    from megatron_deadpool.adapters import shard, support
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda g=None: world if g is None else g)

@@ -2,8 +2,8 @@ import argparse
 
 import pytest
 
-from megatron_deadpool.config import DeadpoolConfig, add_deadpool_args
-from megatron_deadpool.errors import ConfigError
+from megatron_deadpool.base.config import DeadpoolConfig, add_deadpool_args
+from megatron_deadpool.base.errors import ConfigError
 
 
 def test_defaults_valid():
@@ -36,8 +36,8 @@ def test_argparse_roundtrip():
 def test_unrebindable_configs_are_refused():
     from types import SimpleNamespace as NS
 
-    from megatron_deadpool.errors import UnsupportedConfigError
-    from megatron_deadpool.megatron.support import check_supported, unsupported_features
+    from megatron_deadpool.base.errors import UnsupportedConfigError
+    from megatron_deadpool.adapters.support import check_supported, unsupported_features
 
     ok = NS(config=NS(tp_comm_overlap=False, enable_cuda_graph=False, cuda_graph_impl="none"),
             ddp_config=NS(nccl_ub=False, use_megatron_fsdp=False))
@@ -55,8 +55,8 @@ def test_precision_aware_optimizer_is_refused_at_attach():
 
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from megatron_deadpool.errors import UnsupportedConfigError
-    from megatron_deadpool.megatron.support import check_supported, unsupported_optimizer
+    from megatron_deadpool.base.errors import UnsupportedConfigError
+    from megatron_deadpool.adapters.support import check_supported, unsupported_optimizer
 
     def dist_opt(precision_aware):
         opt = DistributedOptimizer.__new__(DistributedOptimizer)  # only its config is read

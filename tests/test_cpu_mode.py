@@ -11,8 +11,8 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = textwrap.dedent("""
     import torch
     import megatron_deadpool  # importing the package must not switch anything on
-    assert torch.cuda.current_device.__module__ != "megatron_deadpool.megatron.cpu_mode"
-    from megatron_deadpool.megatron import cpu_mode
+    assert torch.cuda.current_device.__module__ != "megatron_deadpool.adapters.cpu_mode"
+    from megatron_deadpool.adapters import cpu_mode
     assert not cpu_mode.is_enabled()
     cpu_mode.enable()
     assert cpu_mode.is_enabled()

@@ -4,7 +4,7 @@ lost nodes, and the no-spare stop. No processes are started."""
 import torch.distributed as dist
 
 from megatron_deadpool.membership import store as st
-from megatron_deadpool.config import DeciderConfig
+from megatron_deadpool.base.config import DeciderConfig
 from megatron_deadpool.membership.decider import Decider, Proc
 
 

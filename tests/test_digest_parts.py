@@ -8,8 +8,8 @@ from solo import solo_result
 SCRIPT = textwrap.dedent("""
     import json
     import random
-    from megatron_deadpool.megatron import shard
-    from megatron_deadpool.megatron import train_state as ts
+    from megatron_deadpool.adapters import shard
+    from megatron_deadpool.adapters import train_state as ts
     import solo
 
     args, model, opt, sched, state = solo.start()

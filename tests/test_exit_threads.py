@@ -26,8 +26,8 @@ from conftest import REPO
 WORKER = textwrap.dedent("""
     import sys, threading
     from megatron_deadpool.api import Deadpool
-    from megatron_deadpool.config import DeadpoolConfig
-    from megatron_deadpool.worker_env import WorkerEnv
+    from megatron_deadpool.base.config import DeadpoolConfig
+    from megatron_deadpool.base.worker_env import WorkerEnv
 
     cfg = DeadpoolConfig(enabled=True, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5,
                          rendezvous_timeout_s=1.0, collective_timeout_s=5.0)

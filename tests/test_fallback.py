@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from conftest import launch, layout_flags
-from megatron_deadpool.config import DeadpoolConfig, add_deadpool_args
-from megatron_deadpool.errors import ConfigError, MirrorCorruptError
+from megatron_deadpool.base.config import DeadpoolConfig, add_deadpool_args
+from megatron_deadpool.base.errors import ConfigError, MirrorCorruptError
 from megatron_deadpool.mirror import persist, snapshot
+from megatron_deadpool.mirror.held import HeldCopies
 
 FLAGS = layout_flags(2, 2, 12)
 RUN = "0123456789abcdef"
@@ -26,7 +27,7 @@ def _manifest(world, job=7, run=RUN, tp=1, pp=1):
 
 # ------------------------------------------------------------------ pure file logic
 class _FakeMirror:
-    """The attributes persist.py reads: a rank's slots, what they hold, its job id."""
+    """What persist.py reads of a mirror: its slots, what they hold, its job id."""
 
     def __init__(self, rank, job=7):
         t = torch.arange(40, dtype=torch.float32) + rank
@@ -34,10 +35,14 @@ class _FakeMirror:
         self.rank, self.job, self.t = rank, job, t
         self.own = [snapshot.alloc_slot(self.layout.total_bytes, False) for _ in range(2)]
         self.own_iter = [-1, -1]
-        self.recv, self.recv_iter = {}, {}
+        self.held = HeldCopies(job)
 
     def ensure_layout(self):
         return self.layout
+
+    def held_slots(self):
+        own = [(self.rank, it, self.own[it % 2]) for it in self.own_iter if it >= 0]
+        return own + self.held.copies()
 
     def seal(self, iteration):
         slot = self.own[iteration % 2]
@@ -65,8 +70,8 @@ def test_buddy_copies_complete_a_dead_ranks_files(tmp_path):
     owner, holder = _FakeMirror(0), _FakeMirror(1)
     owner.seal(6)
     holder.seal(6)
-    holder.recv = {0: [owner.own[0].clone(), owner.own[1].clone()]}
-    holder.recv_iter = {0: [6, -1]}
+    holder.held.slots = {0: [owner.own[0].clone(), owner.own[1].clone()]}
+    holder.held.iters = {0: [6, -1]}
     saved = persist.save_held(holder, str(tmp_path), _manifest(2))  # the owner died: no save
     assert sorted((r, it) for r, it, _ in saved) == [(0, 6), (1, 6)]
     assert persist.resume_candidates(persist.scan(str(tmp_path)), (2, 1, 1, 2))[0][0] == 6
@@ -269,7 +274,7 @@ def test_no_spare_left_saves_what_survivors_hold_then_resumes_bitwise(tmp_path, 
 
 
 def test_megatron_lm_refuses_resume_until_it_is_tested_there():
-    from megatron_deadpool.megatron.lm_rules import unsupported_args
+    from megatron_deadpool.adapters.lm_rules import unsupported_args
 
     args = argparse.Namespace(use_distributed_optimizer=True, deadpool_resume="d")
     assert any("--deadpool-resume" in r for r in unsupported_args(args))

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from megatron_deadpool.config import DeadpoolConfig
+from megatron_deadpool.base.config import DeadpoolConfig
 from megatron_deadpool.recovery.world import World
 
 

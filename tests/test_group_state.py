@@ -10,10 +10,10 @@ SCRIPT = textwrap.dedent("""
     import json
     import torch
     import solo
-    from megatron_deadpool.megatron import shard
-    from megatron_deadpool.megatron import train_state as ts
+    from megatron_deadpool.adapters import shard
+    from megatron_deadpool.adapters import train_state as ts
     from megatron_deadpool.mirror.mirror import Mirror
-    from megatron_deadpool.recovery.protected import Protected
+    from megatron_deadpool.control.protected import MirrorSettings, Protected
 
     class GroupStepAdam(torch.optim.Optimizer):
         '''Adam as TE FusedAdam keeps it: step per param group, moments per param; empty
@@ -53,7 +53,7 @@ SCRIPT = textwrap.dedent("""
         meta = ts.capture(state.iteration, state, sched, opt, with_cuda=False)
         return shard.rank_digest(model, opt, meta) + json.dumps(steps())
 
-    p = Protected(replicas=1, mirror_timeouts_s=(60, 60))
+    p = Protected(MirrorSettings(replicas=1, create_timeout_s=60, op_timeout_s=60))
     p.model, p.optimizer, p.scheduler, p.train_state = model, opt, sched, state
     m = Mirror(0, 1)
     m.set_sources(lambda: shard.shard_tensors(opt, placeholders=True)

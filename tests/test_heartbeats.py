@@ -5,7 +5,7 @@ alive. Pure: an in-memory store and the decider's injected clock."""
 
 import torch.distributed as dist
 
-from megatron_deadpool.config import DeciderConfig
+from megatron_deadpool.base.config import DeciderConfig
 from megatron_deadpool.membership import store as st
 from megatron_deadpool.membership.decider import Decider, Proc
 from megatron_deadpool.membership.procs import observe

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import assert_ok_and_bitwise, deadpool, launch, layout_flags
-from megatron_deadpool.recovery.phases import PHASE_ORDER
+from megatron_deadpool.base.vocabulary import PHASE_ORDER
 
 pytestmark = [pytest.mark.slow]
 FLAGS = layout_flags(2, 2, 12)

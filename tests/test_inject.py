@@ -1,12 +1,12 @@
-"""Fault schedule (megatron_deadpool.faults): parsing, JSON, validation, targets."""
+"""Fault schedule (megatron_deadpool.base.faults): parsing, JSON, validation, targets."""
 
 import dataclasses
 
 import pytest
 
-from megatron_deadpool.errors import ConfigError
-from megatron_deadpool import faults as inject
-from megatron_deadpool.faults import Fault
+from megatron_deadpool.base.errors import ConfigError
+from megatron_deadpool.base import faults as inject
+from megatron_deadpool.base.faults import Fault
 
 
 @pytest.mark.parametrize("spec,expected", [

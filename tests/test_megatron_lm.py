@@ -9,8 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_deadpool.errors import ConfigError
-from megatron_deadpool.megatron import lm_rules, tree
+from megatron_deadpool.base.errors import ConfigError
+from megatron_deadpool.adapters import lm_rules
+from megatron_deadpool.megatron import tree
 from mlm import REPO, apply_patches, pristine_tree
 
 SERIES = {d.name: sorted(d.glob("[0-9][0-9][0-9][0-9]-*.patch"))

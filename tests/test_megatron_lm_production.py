@@ -46,7 +46,7 @@ def _run(tree, d, name, flags, spares=0, inject=()):
 
 
 def _tag_of(tree) -> str:
-    from megatron_deadpool.megatron.tags import patched_tag
+    from megatron_deadpool.adapters.tags import patched_tag
 
     return patched_tag(str(tree)).name
 

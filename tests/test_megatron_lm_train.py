@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import launch
-from megatron_deadpool.recovery.phases import PHASE_ORDER
+from megatron_deadpool.base.vocabulary import PHASE_ORDER
 from mlm import patched_tree, pristine_tree, python_for
 
 pytestmark = [pytest.mark.slow]

@@ -1,4 +1,4 @@
-"""What the mirror costs and how it is measured: per-thread CPU clocks (mirror/cpu.py), the
+"""What the mirror costs and how it is measured: per-thread CPU clocks (mirror/meter.py), the
 snapshot's copy bandwidth against a plain copy, the bench's aggregation, and the cheap
 snapshot path (one foreach copy per slot, CRC-32C, holders skip the metadata)."""
 
@@ -12,19 +12,19 @@ import pytest
 import torch
 from crc32c import crc32c
 
-from megatron_deadpool import bench
-from megatron_deadpool.errors import MirrorCorruptError
-from megatron_deadpool.mirror import cpu, d2h, snapshot
+from megatron_deadpool.apps import bench
+from megatron_deadpool.base.errors import MirrorCorruptError
+from megatron_deadpool.mirror import cost, d2h, meter, snapshot
 from solo import solo_result
 
 
 def test_window_divides_mirror_cpu_per_job_by_training_cpu_per_step():
-    start = cpu.Sample(main_s=10.0, main_mirror_s=1.0, steps=3, jobs=3,
+    start = cost.Sample(main_s=10.0, main_mirror_s=1.0, steps=3, jobs=3,
                        parts={"mirror_thread": 1.5, "gloo": 0.5})
-    last = cpu.Sample(main_s=20.5, main_mirror_s=1.5, steps=13)
-    end = cpu.Sample(main_s=0.0, main_mirror_s=0.0, steps=0, jobs=14,
+    last = cost.Sample(main_s=20.5, main_mirror_s=1.5, steps=13)
+    end = cost.Sample(main_s=0.0, main_mirror_s=0.0, steps=0, jobs=14,
                      parts={"mirror_thread": 1.9, "gloo": 0.7})
-    w = cpu.window(start, last, end)
+    w = cost.window(start, last, end)
     assert (w["steps"], w["jobs"]) == (10, 11)
     assert w["main_train_cpu_per_step_s"] == pytest.approx(1.0)  # (10.5 - 0.5) / 10
     assert w["mirror_threads_cpu_per_job_s"] == pytest.approx(0.6 / 11)
@@ -32,7 +32,7 @@ def test_window_divides_mirror_cpu_per_job_by_training_cpu_per_step():
     assert w["mirror_cpu_fraction"] == pytest.approx(1.1 / 11)
     assert w["mirror_thread_cpu_per_job_s"] == pytest.approx(0.4 / 11)
     assert w["gloo_cpu_per_job_s"] == pytest.approx(0.2 / 11)
-    assert cpu.window(start, cpu.Sample(20.0, 1.0, 3), end) is None  # no step in it
+    assert cost.window(start, cost.Sample(20.0, 1.0, 3), end) is None  # no step in it
 
 
 def test_thread_clock_from_proc_matches_the_threads_own_clock():
@@ -43,14 +43,14 @@ def test_thread_clock_from_proc_matches_the_threads_own_clock():
         while time.thread_time() < 0.05:
             x += 1
         out["tid"], out["own"] = threading.get_native_id(), time.thread_time()
-        out["proc"] = cpu.thread_cpu_s(out["tid"])
+        out["proc"] = meter.thread_cpu_s(out["tid"])
 
     t = threading.Thread(target=burn)
     t.start()
     t.join()
     assert out["proc"] == pytest.approx(out["own"], abs=0.02)
-    assert cpu.thread_cpu_s(0) is None  # no such thread
-    assert cpu.threads_cpu_s([out["tid"], threading.get_native_id()]) > 0
+    assert meter.thread_cpu_s(0) is None  # no such thread
+    assert meter.threads_cpu_s([out["tid"], threading.get_native_id()]) > 0
 
 
 def _late_named_thread(name: str, delay_s: float, stop: threading.Event, tids: list):
@@ -68,7 +68,7 @@ def _late_named_thread(name: str, delay_s: float, stop: threading.Event, tids: l
 
 
 def test_a_thread_that_names_itself_late_is_still_found():
-    from megatron_deadpool.mirror.threads import started_threads, thread_names
+    from megatron_deadpool.mirror.meter import started_threads, thread_names
 
     before, stop, tids = thread_names(), threading.Event(), []
     _late_named_thread("dp-late-test", 0.2, stop, tids)
@@ -98,7 +98,7 @@ def test_foreach_copy_fills_each_slot_exactly():
         ref = snapshot.alloc_slot(layout.total_bytes, False)
         snapshot.copy_tensors_in(ref, layout, [t for _, t in named])
         assert torch.equal(slot, ref), k
-    assert len(c.copy_times) == 4 and c.bytes == 4 * layout.tensor_bytes
+    assert c.copies == 4 * len(runs) and c.bytes == 4 * layout.tensor_bytes
 
 
 def _sealed():
@@ -194,7 +194,7 @@ def test_a_protected_run_reports_its_mirror_cpu_and_snapshot_bandwidth():
 def test_compact_python_rng_state_restores_the_same_draws():
     import random
 
-    from megatron_deadpool.megatron import train_state as ts
+    from megatron_deadpool.adapters import train_state as ts
 
     random.seed(11)
     random.random()

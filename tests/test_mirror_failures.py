@@ -8,14 +8,15 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed import HashStore
 
-from megatron_deadpool.errors import ConfigError
-from megatron_deadpool.faults import parse_fault
+from megatron_deadpool.base.errors import ConfigError
+from megatron_deadpool.base.faults import parse_fault
 from megatron_deadpool.launch.progress import format_iteration
 from megatron_deadpool.launch.summary import mirror_failures
 from megatron_deadpool.mirror.commit import CommitTracker, RejectionBoard
 from megatron_deadpool.mirror.mirror import Mirror
-from megatron_deadpool.recovery import alarms, protected
-from megatron_deadpool.worker_env import PROGRESS_PREFIX
+from megatron_deadpool.recovery import alarms
+from megatron_deadpool.control import protected
+from megatron_deadpool.base.worker_env import PROGRESS_PREFIX
 from conftest import launch, layout_flags
 from test_mirror_host import _Pair, _named
 
@@ -101,10 +102,10 @@ def test_an_iteration_posted_as_rejected_commits_nowhere():
 
 
 def _protected(committed):
-    p = protected.Protected(replicas=1, mirror_timeouts_s=(1.0, 1.0))
-    p.mirror = SimpleNamespace(rank=3, committed=committed, wait_s=0.0, last_done=None)
     events = []
-    p.alarms.emit = lambda event, **f: events.append((event, f))
+    p = protected.Protected(protected.MirrorSettings(create_timeout_s=1.0, op_timeout_s=1.0),
+                            emit=lambda event, **f: events.append((event, f)))
+    p.mirror = SimpleNamespace(rank=3, committed=committed)
     return p, events
 
 
@@ -154,7 +155,7 @@ def test_a_holder_with_the_drop_fault_rejects_what_arrives():
     try:
         _steps(ms, [0, 1, 2])
         assert ms[1].rejected_copies == 2 and ms[0].rejected_copies == 0
-        assert ms[1].recv_iter[0] == [-1, -1] and ms[0].recv_iter[1] == [2, 1]
+        assert ms[1].held.iters[0] == [-1, -1] and ms[0].held.iters[1] == [2, 1]
     finally:
         for m in ms:
             m.close()

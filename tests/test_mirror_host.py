@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_deadpool.mirror import d2h, snapshot
+from megatron_deadpool.mirror.meter import Meter
 from megatron_deadpool.mirror.mirror import Mirror
 
 
@@ -95,19 +96,21 @@ def test_snapshot_copies_run_on_the_mirror_thread(monkeypatch):
         return real(self, slot, runs, step_done)
 
     monkeypatch.setattr(d2h.Copier, "copy", spy)
-    m = Mirror(0, replicas=0, meta_capacity=1 << 12)
+    meter = Meter()
+    m = Mirror(0, replicas=0, meta_capacity=1 << 12, meter=meter)
     try:
         m.set_sources(_named)
         m.set_topology(_Transport(), ["node0"])
         m.begin(1, {"iteration": 1})
         m.wait()
         assert threads == ["deadpool-mirror"]
-        assert m.copy_stats()["runs"] == 4 and m.copy_stats()["copies"] == 4
+        assert m.copier.runs == 4 and m.copier.copies == 4
         # the job's CPU, per part: every part clocked, none more than the whole job
-        assert set(m.phase_cpu) == {"copy", "seal", "exchange", "verify"}
-        assert all(v >= 0 for v in m.phase_cpu.values())
-        assert m.phase_cpu["copy"] > 0 and m.phase_cpu["seal"] > 0
-        assert sum(m.phase_cpu.values()) <= m.job_cpu_s
+        assert set(meter.phase_cpu) == {"copy", "seal", "exchange", "verify"}
+        assert all(v >= 0 for v in meter.phase_cpu.values())
+        assert meter.phase_cpu["copy"] > 0 and meter.phase_cpu["seal"] > 0
+        assert sum(meter.phase_cpu.values()) <= meter.job_cpu_s
+        assert meter.jobs == 1 and len(meter.copy_times) == 1
     finally:
         m.close()
 
@@ -124,8 +127,8 @@ def test_replicas_zero_keeps_the_local_double_buffer_only():
             m.begin(it, {"iteration": it})
             m.wait()
             assert m.committed == it
-        assert t.calls == [] and m.buddies == [] and m.holds == [] and m.recv == {}
-        assert m.host_bytes == 2 * m.layout.total_bytes
+        assert t.calls == [] and m.buddies == [] and m.holds == [] and m.held.slots == {}
+        assert m.memory()["host_bytes"] == 2 * m.layout.total_bytes
         assert m.inventory() == {"own": [2, 3], "committed": 3, "copies": {}}
         before = [x.clone() for _, x in named]
         for _, x in named:
@@ -138,8 +141,8 @@ def test_replicas_zero_keeps_the_local_double_buffer_only():
 
 
 def test_replicas_zero_config_and_spares_refused():
-    from megatron_deadpool.config import DeadpoolConfig
-    from megatron_deadpool.errors import ConfigError
+    from megatron_deadpool.base.config import DeadpoolConfig
+    from megatron_deadpool.base.errors import ConfigError
     from megatron_deadpool.launch.options import LaunchOptions, validate
 
     assert DeadpoolConfig(replicas=0).replicas == 0
@@ -166,7 +169,7 @@ def test_a_buddy_gets_the_sealed_bytes_only():
         assert t.sent == [h["tensor_end"] + h["meta_len"]]
         assert t.sent[0] < m.layout.total_bytes
         # what arrived is our own slot's used part: byte for byte, the rest untouched
-        got = m.recv[1][1]
+        got = m.held.slots[1][1]
         assert torch.equal(got[:t.sent[0]], m.own[1][:t.sent[0]])
         assert not got[t.sent[0]:].any()
     finally:
@@ -216,10 +219,10 @@ def test_a_held_copy_is_checksummed_when_needed_and_a_damaged_one_left_out():
                 m.begin(it, {"iteration": it})
             for m in ms:
                 m.wait()
-        assert ms[0].crc_checked == set()  # nothing checksummed on the per-step path
+        assert ms[0].held.crc_checked == set()  # nothing checksummed on the per-step path
         assert ms[0].inventory()["copies"] == {"1": [1, 2]}
-        assert ms[0].crc_checked == {(1, 0), (1, 1)}
-        slot = ms[1].recv[0][0]  # rank 1's copy of rank 0's iteration 2
+        assert ms[0].held.crc_checked == {(1, 0), (1, 1)}
+        slot = ms[1].held.slots[0][0]  # rank 1's copy of rank 0's iteration 2
         slot[ms[1].layout.entries[1].offset + 3] ^= 0x10  # damaged in memory after arrival
         assert ms[1].inventory()["copies"] == {"0": [1]}
         assert ms[1].holds_copy(0, 1) and not ms[1].holds_copy(0, 2)
@@ -227,7 +230,7 @@ def test_a_held_copy_is_checksummed_when_needed_and_a_damaged_one_left_out():
         ms[1].begin(3, {"iteration": 3})
         for m in ms:
             m.wait()
-        assert (1, 1) not in ms[0].crc_checked
+        assert (1, 1) not in ms[0].held.crc_checked
         assert ms[1].inventory()["copies"] == {"0": [3]}  # 2 stays dropped
     finally:
         for m in ms:

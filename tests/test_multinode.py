@@ -35,7 +35,7 @@ def _two_nodes_and_a_spare(tmp_path, flags, ppn, inject):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), DEADPOOL_TOKEN="t0k")
     procs = []
     for node in range(3):
-        args = [sys.executable, "-m", "megatron_deadpool.cli", "launch", "--nodes", "2",
+        args = [sys.executable, "-m", "megatron_deadpool.apps.cli", "launch", "--nodes", "2",
                 "--procs-per-node", str(ppn), "--spare-nodes", "1", "--node-rank", str(node),
                 "--master-addr", "127.0.0.1", "--master-port", str(port),
                 "--results-dir", str(tmp_path / "res"), "--inject", inject,

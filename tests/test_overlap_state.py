@@ -21,8 +21,8 @@ SCRIPT = textwrap.dedent("""
 
     mcd.DistributedDataParallelConfig = Overlapped  # what trainer/gpt.py builds with
     import solo
-    from megatron_deadpool.errors import RebindAuditError
-    from megatron_deadpool.megatron import ddp
+    from megatron_deadpool.base.errors import RebindAuditError
+    from megatron_deadpool.adapters import ddp
     from megatron_deadpool.recovery.rebind import GroupSlots
 
     args, model, opt, sched, state = solo.start()

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from megatron_deadpool.errors import ConfigError
+from megatron_deadpool.base.errors import ConfigError
 from megatron_deadpool.mirror import placement
 
 

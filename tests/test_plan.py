@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_deadpool.errors import NoSpareError
+from megatron_deadpool.base.errors import NoSpareError
 from megatron_deadpool.membership.plan import Plan, initial_plan, next_plan
 
 

@@ -1,4 +1,4 @@
-"""Capacity planning (megatron_deadpool/planning.py, `deadpool plan`): parameter counts
+"""Capacity planning (base/planning.py, `deadpool plan`): parameter counts
 against the models' published sizes, the memory formulas against hand-computed values, and
 the refusal naming the limit."""
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from megatron_deadpool import planning
+from megatron_deadpool.base import planning
 
 PRESETS = {p.stem: json.loads(p.read_text()) for p in (REPO / "configs" / "presets").glob("*.json")}
 NOMINAL = {"gpt-1.3b": 1.3e9, "gpt-7b": 6.7e9, "gpt-13b": 13e9, "gpt-65b": 65e9}
@@ -80,7 +80,7 @@ def test_bad_layouts_are_refused():
 
 
 def _plan(*args):
-    return subprocess.run([sys.executable, "-m", "megatron_deadpool.cli", "plan", *args],
+    return subprocess.run([sys.executable, "-m", "megatron_deadpool.apps.cli", "plan", *args],
                           capture_output=True, text=True, cwd=REPO, timeout=60)
 
 

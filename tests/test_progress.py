@@ -11,7 +11,7 @@ import pytest
 from conftest import deadpool
 from megatron_deadpool.launch.progress import (Console, Progress, format_iteration,
                                                format_recovery, parse, shown)
-from megatron_deadpool.worker_env import PROGRESS_PREFIX
+from megatron_deadpool.base.worker_env import PROGRESS_PREFIX
 
 
 def _line(prefix="[n3 r7] ", **rec):

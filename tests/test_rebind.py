@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_deadpool.errors import RebindAuditError
+from megatron_deadpool.base.errors import RebindAuditError
 from megatron_deadpool.recovery import rebind
 
 

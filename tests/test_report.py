@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from megatron_deadpool import cli
-from megatron_deadpool.report import timeline
+from megatron_deadpool.apps import cli
+from megatron_deadpool.apps.report import timeline
 
 
 def _events():

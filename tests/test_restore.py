@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_deadpool.errors import NoCommittedStateError
+from megatron_deadpool.base.errors import NoCommittedStateError
 from megatron_deadpool.recovery.restore import Inventory, choose_restore
 
 

@@ -13,12 +13,12 @@ import time
 import pytest
 import torch.distributed as dist
 
-from megatron_deadpool.config import DeadpoolConfig, DeciderConfig
-from megatron_deadpool.errors import ConfigError
+from megatron_deadpool.base.config import DeadpoolConfig, DeciderConfig
+from megatron_deadpool.base.errors import ConfigError
 from megatron_deadpool.membership import store as st
 from megatron_deadpool.membership.decider import Decider, Proc
-from megatron_deadpool.megatron.lm_rules import mark_sections
-from megatron_deadpool.sections import SectionTracker, parse_section_timeouts
+from megatron_deadpool.adapters.lm_rules import mark_sections
+from megatron_deadpool.base.sections import SectionTracker, parse_section_timeouts
 
 from conftest import launch
 from test_decider import Clock

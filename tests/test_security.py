@@ -8,13 +8,13 @@ import json
 import pytest
 import torch.distributed as dist
 
-from megatron_deadpool.errors import TokenError
+from megatron_deadpool.base.errors import TokenError
 from megatron_deadpool.launch.agent import NodeAgent
 from megatron_deadpool.membership import auth
 from megatron_deadpool.membership import store as st
-from megatron_deadpool.config import DeciderConfig
+from megatron_deadpool.base.config import DeciderConfig
 from megatron_deadpool.membership.decider import Decider, Proc
-from megatron_deadpool.worker_env import WorkerEnv
+from megatron_deadpool.base.worker_env import WorkerEnv
 
 SECRET = "the-job-secret"
 

@@ -1,20 +1,21 @@
-"""The recovery sequencer (recovery/runtime.py) in-process, with fakes for membership, the
+"""The recovery sequencer (control/runtime.py, its steps in control/recovery.py) in-process, with fakes for membership, the
 communicators and the protected state: no subprocess, no torch.distributed. The decisions
 are checked here in milliseconds: a local error fails fast, a communication error without a
 new generation is re-raised after the heartbeat timeout, a cascade moves to the next
 generation, and a lost buddy is terminal."""
 
 import time
-from types import SimpleNamespace
 
 import pytest
 
-from megatron_deadpool.config import DeadpoolConfig
-from megatron_deadpool.errors import JobStopped, NoCommittedStateError, stopped
+from megatron_deadpool.base.config import DeadpoolConfig
+from megatron_deadpool.base.errors import JobStopped, NoCommittedStateError, stopped
 from megatron_deadpool.membership.plan import Plan
-from megatron_deadpool.membership.store import GenerationMoved, WorkerState
-from megatron_deadpool.recovery.runtime import Runtime
-from megatron_deadpool.worker_env import WorkerEnv
+from megatron_deadpool.base.state import Role, WorkerState
+from megatron_deadpool.membership.store import GenerationMoved
+from megatron_deadpool.control.runtime import Runtime
+from megatron_deadpool.recovery.phases import EventSink
+from megatron_deadpool.base.worker_env import WorkerEnv
 
 HB_TIMEOUT = 1.0
 
@@ -84,6 +85,9 @@ class FakeMember:
     def claim_fault(self, index):
         return True
 
+    def step_done(self):
+        pass
+
     def close(self):
         self.closed = True
 
@@ -121,12 +125,12 @@ class FakeWorld:
 
 class FakeProtected:
     def __init__(self, restore=lambda rank: 5):
-        self.iteration = 6
-        self.mirror = None
-        self.slots = None
         self.restores = 0
         self._restore = restore
-        self.alarms = SimpleNamespace(emit=None)  # the runtime wires its event sink here
+        self.restored_meta = None
+
+    def committed(self):
+        return -1
 
     def abort_transport(self):
         pass
@@ -143,35 +147,31 @@ class FakeProtected:
     def settle_groups(self):
         pass
 
-    def rebind(self, handle, plan):
-        pass
+    def rebind(self, plan, audit, old_groups):
+        return None
 
     def restore(self, rank):
         self.restores += 1
         return self._restore(rank)
 
+    def before_step(self, iteration):
+        pass
+
     def after_step(self, iteration, mirror_on=True):
-        self.iteration = iteration
+        pass
 
     def close(self, abort=None):
         pass
-
-
-class Handle:
-    rank, world_size = 0, 2
-
-    def set_rank(self, rank, world_size):
-        self.rank, self.world_size = rank, world_size
 
 
 def runtime(protected=None):
     cfg = DeadpoolConfig(enabled=True, heartbeat_interval_s=0.1, heartbeat_timeout_s=HB_TIMEOUT,
                          audit="none")
     member, world = FakeMember(), FakeWorld()
-    rt = Runtime(Handle(), cfg, WorkerEnv(lid=0, node=0, store_port=1), member, world,
-                 protected or FakeProtected())
+    rt = Runtime(cfg, WorkerEnv(lid=0, node=0, store_port=1, rank=0, world_size=2), member,
+                 world, protected or FakeProtected(), EventSink(None))
     rt.join()
-    rt.state = WorkerState.ACTIVE
+    rt.state = rt.state.enter(WorkerState.ACTIVE).at(6)  # attached, 6 iterations done
     return rt, member, world
 
 
@@ -185,7 +185,7 @@ def test_local_error_fails_fast_without_recovery():
     assert info.value is err  # the original error, with its own traceback
     assert elapsed < HB_TIMEOUT / 10  # at once, not after waiting for a new generation
     assert world.aborts == [] and rt.att.restores == 0 and rt.recoveries == []
-    assert rt.state == WorkerState.ACTIVE and world.formed == [0]
+    assert rt.state.mode == WorkerState.ACTIVE and world.formed == [0]
 
 
 def test_comm_error_without_new_generation_is_reraised_after_the_heartbeat_timeout():
@@ -215,8 +215,8 @@ def test_aborted_generation_recovers_on_the_next_one():
     world.aborted = True  # the watcher saw generation 1 and aborted the communicators
     rt.recover(RuntimeError("anything the blocked collective raised"))
     assert rt.plan.gen == 1 and world.formed == [0, 1] and rt.att.restores == 1
-    assert rt.state == WorkerState.ACTIVE and rt.att.released == 1  # after the abort
-    rt.after_step(6)
+    assert rt.state.mode == WorkerState.ACTIVE and rt.att.released == 1  # after the abort
+    rt.step_done(6)
     assert rt.recoveries[0]["restored_iter"] == 5
     assert rt.recoveries[0]["iteration_at_failure"] == 6
 
@@ -258,7 +258,8 @@ def test_restore_waits_for_every_member_and_a_spare_dying_meanwhile_moves_on():
     world.aborted = True
     rt.recover(RuntimeError("first failure"))
     assert member.readies == [1, 2] and rt.att.restores == 1  # never restored in gen 1
-    assert rt.plan.gen == 2 and world.formed == [0, 1, 2] and rt.state == WorkerState.ACTIVE
+    assert rt.plan.gen == 2 and world.formed == [0, 1, 2]
+    assert rt.state.mode == WorkerState.ACTIVE
 
 
 def test_primary_and_buddy_lost_is_terminal():
@@ -299,7 +300,7 @@ def test_a_failed_join_closes_the_runtime(monkeypatch):
     cfg = DeadpoolConfig(enabled=True, heartbeat_interval_s=0.1, heartbeat_timeout_s=HB_TIMEOUT)
     env = WorkerEnv(lid=8, node=4, role="spare", store_port=1)
     monkeypatch.setattr(api.Deadpool, "_make_runtime", lambda self, env: Runtime(
-        self, cfg, env, member, FakeWorld(), FakeProtected()))
+        cfg, env, member, FakeWorld(), FakeProtected(), EventSink(None)))
     with pytest.raises(TimeoutError):
         api.Deadpool.start(cfg, env=env)
     assert getattr(member, "closed", False)
@@ -328,13 +329,16 @@ def test_a_promoted_spares_phases_tile_its_recovery(tmp_path):
                          audit="none", events_path=str(events))
     att = SpareProtected()
     att.calls = []
-    rt = Runtime(Handle(), cfg, WorkerEnv(lid=8, node=4, role="spare", store_port=1), member,
-                 FakeWorld(), att)
+    rt = Runtime(cfg, WorkerEnv(lid=8, node=4, role="spare", store_port=1), member,
+                 FakeWorld(), att, EventSink(str(events)))
     rt.join()
+    assert rt.state.role is Role.PROMOTED and rt.state.rank == 0
     rt.initialize_model_parallel({})
     time.sleep(0.05)  # the model build, inside restore_state
     rt.attach(model=None, optimizer=None, scheduler=None, train_state=None)
-    rt.after_step(6)
+    rt.before_step(5)
+    assert rt.state.role is Role.ACTIVE  # its solitary startup is over
+    rt.step_done(6)
     assert att.calls == ["connect", "quiet", "attach"] and att.restores == 1
     report = rt.recoveries[0]
     assert report["spare"] and report["generation"] == 1

@@ -1,4 +1,4 @@
-"""deadpool sim (megatron_deadpool/sim.py, scaling.py, sim_plot.py): the scaling-law fit,
+"""deadpool sim (apps/sim.py, base/scaling.py, apps/sim_plot.py): the scaling-law fit,
 the validation, the goodput and spare formulas, and the command line. Pure and fast: the
 measured input is a synthetic file written here (the repo's docs/data file is only checked
 for its shape)."""
@@ -8,9 +8,10 @@ import math
 
 import pytest
 
-from megatron_deadpool import scaling, sim
-from megatron_deadpool.cli import main
-from megatron_deadpool.recovery.phases import PHASE_ORDER
+from megatron_deadpool.base import scaling
+from megatron_deadpool.apps import sim
+from megatron_deadpool.apps.cli import main
+from megatron_deadpool.base.vocabulary import PHASE_ORDER
 
 WS = [4, 8, 16]
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_deadpool.errors import MirrorCorruptError
+from megatron_deadpool.base.errors import MirrorCorruptError
 from megatron_deadpool.mirror import snapshot
 
 
@@ -152,7 +152,7 @@ def test_metadata_round_trips_every_type_the_meta_carries_bitwise():
 
     import numpy as np
 
-    from megatron_deadpool.megatron import train_state as ts
+    from megatron_deadpool.adapters import train_state as ts
     from megatron_deadpool.mirror import metadata
 
     py = random.Random(3).getstate()

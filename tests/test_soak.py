@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import deadpool
-from megatron_deadpool.soak import schedule
+from megatron_deadpool.apps.soak import schedule
 
 
 def test_schedule_is_seeded_and_spaced():

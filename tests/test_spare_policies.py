@@ -58,7 +58,7 @@ def test_node_kill_still_uses_the_spare_node(tmp_path, reference):
 
 
 def _cli(args, env):
-    return subprocess.Popen([sys.executable, "-m", "megatron_deadpool.cli", *args], env=env,
+    return subprocess.Popen([sys.executable, "-m", "megatron_deadpool.apps.cli", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

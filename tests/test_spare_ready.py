@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from conftest import assert_ok_and_bitwise, launch, layout_flags
-from megatron_deadpool.config import DeadpoolConfig
-from megatron_deadpool.errors import DeadpoolError, JobStopped
+from megatron_deadpool.base.config import DeadpoolConfig
+from megatron_deadpool.base.errors import DeadpoolError, JobStopped
 from megatron_deadpool.membership import store as st
 from megatron_deadpool.membership.member import Member
 

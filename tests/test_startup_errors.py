@@ -38,7 +38,7 @@ def test_a_bad_flag_is_described_by_its_usage_error(monkeypatch):
 
 
 def test_clean_exits_and_stops_are_not_startup_errors():
-    from megatron_deadpool.errors import JobStopped
+    from megatron_deadpool.base.errors import JobStopped
 
     assert not startup.is_error(SystemExit(0)) and not startup.is_error(SystemExit(None))
     assert not startup.is_error(JobStopped("complete: all ranks finished"))

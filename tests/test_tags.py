@@ -1,4 +1,4 @@
-"""The supported Megatron-LM tags (megatron/tags.py): the package's copy of each series'
+"""The supported Megatron-LM tags (adapters/tags.py): the package's copy of each series'
 manifest equals patches/<tag>/, and a tree is identified by its files, not by its version
 string (core_v0.19.0's package_info.py says 0.19.1)."""
 
@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_deadpool.errors import ConfigError
-from megatron_deadpool.megatron import tags, tree
+from megatron_deadpool.base.errors import ConfigError
+from megatron_deadpool.adapters import tags
+from megatron_deadpool.megatron import tree
 from mlm import REPO, apply_patches, pristine_tree
 
 

@@ -9,7 +9,9 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_deadpool.mirror.socket_transport import SocketTransport
-from megatron_deadpool.mirror.transport import GlooTransport, StoreTransport
+from megatron_deadpool.base.errors import ConfigError
+from megatron_deadpool.mirror.transport import (GlooTransport, TransportContext,
+                                                create_transport, transport_names)
 from megatron_deadpool.recovery.classify import is_comm_failure
 
 WORLD = 3
@@ -76,18 +78,11 @@ def _worker(rank, kind, port, errq):
     try:
         store = torch.distributed.TCPStore("127.0.0.1", port, WORLD, rank == 0,
                                            wait_for_workers=False)
-        if kind == "gloo":
-            torch.distributed.init_process_group("gloo", store=store, rank=rank,
-                                                 world_size=WORLD)
-            t = GlooTransport(timeout_s=60)
-        elif kind == "socket":
-            torch.distributed.init_process_group("gloo", store=store, rank=rank,
-                                                 world_size=WORLD)
-            t = SocketTransport(torch.distributed.PrefixStore("t/", store), rank, WORLD,
-                                GlooTransport(timeout_s=60), "127.0.0.1", SECRET, 0,
-                                timeout_s=60)
-        else:
-            t = StoreTransport(store, rank, WORLD, tag="t", timeout_s=60)
+        torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+        # built by name through the registry, as the runtime builds it (control/protected.py)
+        t = create_transport(kind, TransportContext(
+            torch.distributed.PrefixStore("t/", store), rank, WORLD, GlooTransport(timeout_s=60),
+            "127.0.0.1", SECRET, 0, timeout_s=60))
         _conformance(t, rank)
         _peer_death(t, rank, store)
         errq.put(None)
@@ -95,7 +90,21 @@ def _worker(rank, kind, port, errq):
         errq.put(traceback.format_exc())
 
 
-@pytest.mark.parametrize("kind", ["gloo", "store", "socket"])
+CONFORMANCE = ["gloo", "store", "socket"]
+
+
+def test_every_registered_transport_is_in_the_conformance_test():
+    """A transport is one class, one registration and one entry in CONFORMANCE; the flag's
+    choices (config.MIRROR_TRANSPORTS) are registered ones."""
+    from megatron_deadpool.base.config import MIRROR_TRANSPORTS
+
+    assert transport_names() == sorted(CONFORMANCE)
+    assert set(MIRROR_TRANSPORTS) <= set(transport_names())
+    with pytest.raises(ConfigError, match="unknown mirror transport 'carrier-pigeon'"):
+        create_transport("carrier-pigeon", TransportContext(None, 0, 1, None))
+
+
+@pytest.mark.parametrize("kind", CONFORMANCE)
 def test_transport_conformance(kind):
     ctx = mp.get_context("spawn")
     errq = ctx.Queue()

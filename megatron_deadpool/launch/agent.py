@@ -17,9 +17,10 @@ import time
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional
 
+from ..base.state import Role
 from ..membership import store as st
 from ..membership.store import CommandOp, EventKind
-from ..worker_env import WorkerEnv
+from ..base.worker_env import WorkerEnv
 
 
 GROUP_SIGNALS = (signal.SIGKILL, signal.SIGSTOP, signal.SIGCONT)
@@ -29,7 +30,7 @@ GROUP_SIGNALS = (signal.SIGKILL, signal.SIGSTOP, signal.SIGCONT)
 class WorkerSpec:
     lid: int
     node: int
-    role: str  # active | spare
+    role: Role  # ACTIVE or SPARE
     rank: Optional[int]
     local_rank: int
 
@@ -114,7 +115,7 @@ class NodeAgent:
             elif cmd["op"] == CommandOp.SPAWN:  # a crashed process restarted in its slot
                 old = next((w for w in self.workers if w.lid == cmd["replaces"]), None)
                 self.prefix_map.setdefault(cmd["lid"], f"n{self.node} restart{cmd['lid']}")
-                self.spawn(WorkerSpec(lid=cmd["lid"], node=self.node, role="spare", rank=None,
+                self.spawn(WorkerSpec(lid=cmd["lid"], node=self.node, role=Role.SPARE, rank=None,
                                       local_rank=old.local_rank if old else 0))
 
     def signal(self, lid: int, sig: int) -> None:

@@ -29,7 +29,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         raise SystemExit("usage: python -m megatron_deadpool.launch.child "
                          "[--device cpu|cuda] SCRIPT [flags...]")
     from ..membership import startup
-    from ..worker_env import dump_stacks_on_crash, log_to_stdout
+    from ..base.worker_env import dump_stacks_on_crash, log_to_stdout
 
     dump_stacks_on_crash()
     log_to_stdout()
@@ -41,7 +41,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     except BaseException as exc:
         startup.report(exc)  # e.g. a dependency of Megatron-LM is missing
         raise
-    from ..errors import DeadpoolError
+    from ..base.errors import DeadpoolError
 
     sys.argv = [script, *argv[1:]]
     try:
@@ -64,7 +64,7 @@ def _prepare(device: Optional[str]):
     if device == "cpu":
         import torch
 
-        from ..megatron import cpu_mode
+        from ..adapters import cpu_mode
 
         cpu_mode.enable()
         torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""Delivers the test fault schedule from the launcher's side (``faults.py`` is the schedule):
+"""Delivers the test fault schedule from the launcher's side (``base/faults.py`` is the schedule):
 
 * a staged fault (``@iter=N``) is fired by the first victim process that reaches its point;
   the victim reports it (event ``fault_request``) and signals itself. For a node fault the
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional
 
-from ..faults import SIGNALS, Fault
+from ..base.faults import SIGNALS, Fault
 from ..membership.decider import Decider, ProcState
 from ..membership.store import CommandOp
 

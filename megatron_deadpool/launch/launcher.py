@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from ..membership import store as st
-from ..membership.decider import Decider, Proc, Role
+from ..base.state import Role
+from ..membership.decider import Decider, Proc
 from ..recovery.phases import EventSink
-from ..worker_env import WorkerEnv
+from ..base.worker_env import WorkerEnv
 from .agent import NodeAgent, WorkerSpec
 from .fault_driver import FaultDriver
 from .options import LaunchOptions, free_port, validate, worker_command, worker_specs
@@ -141,7 +142,7 @@ def _join_as_spare(opts: LaunchOptions, cfg, say, out) -> dict:
     like the job's own spares until promoted or released at the end."""
     token = os.environ.get("DEADPOOL_TOKEN")
     if not token:
-        from ..errors import ConfigError
+        from ..base.errors import ConfigError
 
         raise ConfigError("--join-as-spare needs the job's DEADPOOL_TOKEN in the environment")
     store = st.connect(opts.master_addr, opts.master_port + 1, cfg.rendezvous_timeout_s)

@@ -14,9 +14,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from .. import faults as fault_schedule
-from ..config import DeadpoolConfig, add_deadpool_args
-from ..errors import ConfigError
+from ..base import faults as fault_schedule
+from ..base.config import DeadpoolConfig, add_deadpool_args
+from ..base.errors import ConfigError
+from ..base.state import Role
 from .agent import WorkerSpec
 
 
@@ -85,7 +86,7 @@ def validate(opts: LaunchOptions):
         targs = validate_trainer(parse_args(opts.trainer_argv), opts.world_size)
         cfg, train_iters = targs.deadpool_config, targs.train_iters
         if cfg.enabled:
-            from ..megatron.lm_rules import check_installed_megatron_core
+            from ..adapters.lm_rules import check_installed_megatron_core
 
             check_installed_megatron_core()
     else:
@@ -106,8 +107,8 @@ def validate(opts: LaunchOptions):
         root = os.path.dirname(os.path.abspath(opts.script))
         if tree.is_megatron_tree(root):
             tree.check_for_deadpool(root)
-            from ..errors import UnsupportedConfigError
-            from ..megatron.lm_rules import unsupported_argv
+            from ..base.errors import UnsupportedConfigError
+            from ..adapters.lm_rules import unsupported_argv
 
             bad = unsupported_argv(opts.trainer_argv)
             if bad:
@@ -153,7 +154,7 @@ def worker_command(opts: LaunchOptions) -> List[str]:
         if opts.device and "--device" not in argv:
             argv += ["--device", opts.device]
         return [sys.executable, "-m", "megatron_deadpool.trainer.gpt", *argv]
-    from ..megatron import lm_rules
+    from ..adapters import lm_rules
 
     cmd = [sys.executable, "-m", "megatron_deadpool.launch.child"]
     argv = list(opts.trainer_argv)
@@ -166,11 +167,11 @@ def worker_command(opts: LaunchOptions) -> List[str]:
 
 def worker_specs(opts: LaunchOptions, with_spares: bool) -> List[WorkerSpec]:
     W, P = opts.world_size, opts.procs_per_node
-    specs = [WorkerSpec(lid=r, node=r // P, role="active", rank=r, local_rank=r % P)
+    specs = [WorkerSpec(lid=r, node=r // P, role=Role.ACTIVE, rank=r, local_rank=r % P)
              for r in range(W)]
     if with_spares:
         for i in range(opts.spare_nodes * P):
-            specs.append(WorkerSpec(lid=W + i, node=opts.nodes + i // P, role="spare",
+            specs.append(WorkerSpec(lid=W + i, node=opts.nodes + i // P, role=Role.SPARE,
                                     rank=None, local_rank=i % P))
     return specs
 

@@ -22,7 +22,7 @@ import sys
 import threading
 from typing import Dict, Optional
 
-from ..worker_env import PROGRESS_PREFIX
+from ..base.worker_env import PROGRESS_PREFIX
 
 # Launcher lines shown on the terminal: the launcher's own, a node agent's, and a worker's
 # one-line error (``error: ...``, the trainer's entry point).

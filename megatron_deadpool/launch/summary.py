@@ -10,7 +10,7 @@ from typing import Dict, List
 from ..membership import store as st
 from ..membership.plan import Plan
 from ..mirror import persist
-from ..recovery.phases import PHASE_ORDER
+from ..base.vocabulary import PHASE_ORDER
 from .options import LaunchOptions
 
 

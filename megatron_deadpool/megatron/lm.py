@@ -31,15 +31,15 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
-from ..config import DeadpoolConfig, add_deadpool_args
-from ..errors import ConfigError, UnsupportedConfigError
+from ..base.config import DeadpoolConfig, add_deadpool_args
+from ..base.errors import ConfigError, UnsupportedConfigError
 from ..recovery.quiet import CollectiveSuppressor
-from . import ddp, tags, training_globals
-from .checkpoints import CheckpointContexts
-from .evaluation import Evaluations
-from .iterators import PretrainIterators
-from .lm_rules import mark_sections, unsupported_args
-from .train_state import MegatronTrainState
+from ..adapters import ddp, tags, training_globals
+from ..adapters.checkpoints import CheckpointContexts
+from ..adapters.evaluation import Evaluations
+from ..adapters.iterators import PretrainIterators
+from ..adapters.lm_rules import mark_sections, unsupported_args
+from ..adapters.train_state import MegatronTrainState
 
 # ---------------------------------------------------------------------------- session
 @dataclass
@@ -76,12 +76,10 @@ def _plain_handle():
         import torch.distributed as dist
 
         from .. import api
-        from . import cpu_mode
+        from ..adapters import cpu_mode
 
-        h = api.Deadpool(DeadpoolConfig(), "cpu" if cpu_mode.is_enabled() else "cuda",
-                         dist.get_backend())
-        h.rank, h.world_size = dist.get_rank(), dist.get_world_size()
-        _S.plain = h
+        _S.plain = api.Deadpool.over_default_group(
+            DeadpoolConfig(), "cpu" if cpu_mode.is_enabled() else "cuda", dist.get_backend())
     return _S.plain
 
 
@@ -106,7 +104,7 @@ def join(args) -> None:
     if bad:
         raise UnsupportedConfigError("--deadpool does not support: " + "; ".join(bad))
     from .. import api
-    from . import cpu_mode
+    from ..adapters import cpu_mode
 
     device = "cpu" if cpu_mode.is_enabled() else "cuda"
     backend = args.distributed_backend
@@ -251,7 +249,7 @@ def recover(exc: BaseException):
 
 
 def _reapply_rng() -> None:
-    from . import train_state as state_io
+    from ..adapters import train_state as state_io
 
     meta = _S.handle.restored_meta
     if meta is not None:

@@ -15,8 +15,8 @@ import sys
 import sysconfig
 from typing import Callable, Dict, Optional
 
-from ..errors import ConfigError
-from . import tags
+from ..base.errors import ConfigError
+from ..adapters import tags
 
 DATASETS = os.path.join("megatron", "core", "datasets")
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Dict, Hashable, Iterable, List, Sequence, Tuple
 
-from ..errors import NoSpareError
+from ..base.errors import NoSpareError
 
 Spare = Tuple[int, Hashable]  # (spare_id, node)
 

@@ -13,7 +13,7 @@ keys (availability), and can change what is not signed: counters, the arrival ba
 recovery timing reports, and torch.distributed's own rendezvous keys (``gen{g}/...``),
 through which it could redirect the training communicators' connections. These messages
 protect the control plane (who is dead, who takes which rank, when to stop), not the
-training data; the README's threat model lists every key.
+training data; docs/threat-model.md lists every key.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import json
 import os
 from typing import Any, Optional
 
-from ..errors import DeadpoolError
+from ..base.errors import DeadpoolError
 
 
 class AuthError(DeadpoolError):

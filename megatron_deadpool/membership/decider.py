@@ -15,10 +15,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set
 
-from ..config import DeciderConfig
-from ..errors import NoSpareError, StopReason
-from . import plan as plans
-from . import store as st
+from ..base.config import DeciderConfig
+from ..base.errors import NoSpareError, StopReason
+from ..base.vocabulary import Event
+from . import plan as plans, store as st
 from .local_restart import LocalRestarts
 from .procs import AgentClock, Proc, ProcState, Role, excuse_waiters, hung, observe  # noqa: F401
 from .store import CommandOp, EventKind
@@ -230,7 +230,7 @@ class Decider:
             new = self.new_lid()
             self.procs[new] = Proc(lid=new, node=p.node, role=Role.SPARE)
             self.local.reserve(p.rank, p.node, new, lid, p.exit_code)
-            self.emit("local_restart", rank=p.rank, node=p.node, exit_code=p.exit_code,
+            self.emit(Event.LOCAL_RESTART, rank=p.rank, node=p.node, exit_code=p.exit_code,
                       lid=new, replaces=lid)
             self.send_command(p.node, {"op": CommandOp.SPAWN, "lid": new, "replaces": lid})
             self.log(f"rank {p.rank} (process {lid}) crashed on healthy node {p.node}: "
@@ -264,7 +264,7 @@ class Decider:
         self.local.published(plan.gen, plan.spare_of_rank)
         if self._waiting_logged:
             self.waited_for_spare_s += self.clock() - self.first_dead_t
-            self.emit("spare_wait", generation=plan.gen,
+            self.emit(Event.SPARE_WAIT, generation=plan.gen,
                       waited_s=round(self.clock() - self.first_dead_t, 3))
         for lid in self.pending_dead:
             self.procs[lid].rank = None

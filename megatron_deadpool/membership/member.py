@@ -18,8 +18,8 @@ import time
 import traceback
 from typing import Callable, Optional
 
-from ..errors import DeadpoolError, stopped
-from ..sections import SectionTracker
+from ..base.errors import DeadpoolError, stopped
+from ..base.sections import SectionTracker
 from . import store as st
 from .plan import Plan
 from .store import EventKind
@@ -77,6 +77,17 @@ class Member:
                     return
                 time.sleep(0.5)
             time.sleep(WATCH_POLL_S)
+
+    def enter_section(self, name: str) -> None:
+        """The heartbeats name section ``name`` from now on (``Deadpool.section``)."""
+        self.sections.enter(name)
+
+    def leave_section(self) -> None:
+        self.sections.leave()
+
+    def step_done(self) -> None:
+        """An iteration ended: progress, in the step section."""
+        self.sections.step_done()
 
     def wait_beat_of_section(self) -> None:
         """Wait (at most three heartbeat intervals) until a heartbeat named the current

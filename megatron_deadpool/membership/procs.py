@@ -6,8 +6,8 @@ import enum
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from ..sections import GIL_SECTIONS, Section
-from .store import WorkerState
+from ..base.sections import GIL_SECTIONS, Section
+from ..base.state import Role, WorkerState
 
 
 class ProcState(str, enum.Enum):
@@ -17,16 +17,11 @@ class ProcState(str, enum.Enum):
     DONE = "done"
 
 
-class Role(str, enum.Enum):
-    ACTIVE = "active"
-    SPARE = "spare"
-
-
 @dataclass
 class Proc:
     lid: int
     node: int
-    role: str  # Role
+    role: Role  # how it started: ACTIVE, or SPARE (promoted: it has a rank)
     rank: Optional[int] = None
     state: str = ProcState.STARTING
     hb_seq: int = -1

@@ -35,7 +35,7 @@ def describe(exc: BaseException) -> str:
 def is_error(exc: BaseException) -> bool:
     """An exit that is a failure: not a clean SystemExit, not an interrupt, not the job's
     own stop (a standby spare released, a job stopped by another rank's error)."""
-    from ..errors import JobStopped
+    from ..base.errors import JobStopped
 
     if isinstance(exc, SystemExit):
         return exc.code not in (None, 0)
@@ -54,7 +54,7 @@ def report(exc: BaseException, environ: Mapping[str, str] = os.environ) -> None:
     process that cannot reach it exits as before, and its exit is a failure like any."""
     if not is_error(exc):
         return
-    from ..worker_env import WorkerEnv
+    from ..base.worker_env import WorkerEnv
 
     try:
         env = WorkerEnv.from_env(environ)

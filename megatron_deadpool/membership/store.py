@@ -34,7 +34,7 @@ import time
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..errors import TokenError
+from ..base.errors import TokenError
 from . import auth
 from .plan import Plan
 
@@ -55,20 +55,6 @@ class EventKind(str, enum.Enum):
 class CommandOp(str, enum.Enum):
     SIGNAL = "signal"                # deliver ``signal`` to the processes ``lids``
     SPAWN = "spawn"                  # start standby process ``lid`` in the slot of ``replaces``
-
-
-class WorkerState(str, enum.Enum):
-    """A worker's lifecycle, as its heartbeats report it::
-
-        STANDBY ──promoted──► ACTIVE ◄──restored── RECOVERING
-                              │    └──failure seen──►┘
-                              └──► DONE
-    """
-
-    STANDBY = "STANDBY"
-    ACTIVE = "ACTIVE"
-    RECOVERING = "RECOVERING"
-    DONE = "DONE"
 
 
 def k(*parts: Any) -> str:

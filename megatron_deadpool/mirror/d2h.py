@@ -15,13 +15,12 @@ one tensor; ``Copier.runs`` says how many copies a snapshot takes.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import MirrorCorruptError
+from ..base.errors import MirrorCorruptError
 
 
 def _flat_u8(t: torch.Tensor) -> torch.Tensor:
@@ -80,9 +79,9 @@ class Copier:
     tensor area (``torch._foreach_copy_`` over cached views if the runs are not back to
     back), no per-tensor Python loop. With a CUDA stream the copies are asynchronous
     D2H into pinned memory, ordered after ``step_done``; the time the side stream spent on
-    them is measured with CUDA events (``gpu_copy_s``). ``copy_times`` keeps the seconds of
-    recent snapshots' copies (host: the copying thread's CPU clock, so preemption by other
-    processes is not counted; GPU: side-stream time)."""
+    them is measured with CUDA events (``gpu_copy_s``). ``copy_times`` keeps the side-stream
+    seconds of recent snapshots' copies (GPU only: a host copy is timed by the meter's
+    ``copy`` lap, meter.py)."""
 
     KEEP_TIMES = 4096
 
@@ -91,6 +90,7 @@ class Copier:
         self.copies = 0  # copies issued, all snapshots
         self.bytes = 0
         self.gpu_copy_s = 0.0
+        self.runs: Optional[int] = None  # runs of the last plan copied
         self.copy_times: List[float] = []
         self._total: tuple = (None, 0)  # (runs, their bytes): summed once per plan
         self._views: Dict[Tuple[int, int], tuple] = {}  # (dst views, sources, flatten)
@@ -117,13 +117,11 @@ class Copier:
 
     def copy(self, slot: torch.Tensor, runs: Sequence[Run], step_done=None) -> None:
         if self.stream is None:
-            dst, src = self._pairs(slot, runs)
-            t0 = time.thread_time()
+            dst, src = self._pairs(slot, runs)  # timed by the meter's copy lap
             if len(dst) == 1 and len(src) > 1:
                 torch.cat(src, out=dst[0])  # one op: no per-tensor dispatch
             elif dst:
                 torch._foreach_copy_(dst, src)
-            self._keep(time.thread_time() - t0)
         else:
             with torch.cuda.stream(self.stream):
                 if step_done is not None:
@@ -137,6 +135,7 @@ class Copier:
             self.gpu_copy_s += dt
             self._keep(dt)
         self.copies += len(runs)
+        self.runs = len(runs)
         if self._total[0] is not runs:
             self._total = (runs, sum(r.nbytes for r in runs))
         self.bytes += self._total[1]

@@ -3,7 +3,7 @@ snapshot is one copy per buffer instead of one per tensor.
 
     before:  exp_avg(p0) exp_avg_sq(p0) ... 140 separate allocations -> 140 copies
     after:   [ p0.exp_avg | p1.exp_avg | ... | p0.exp_avg_sq | ... | p0.step | ... ]
-             one buffer, in slot order (megatron/shard.py: grouped by key) -> 1 copy
+             one buffer, in slot order (adapters/shard.py: grouped by key) -> 1 copy
 
 A tensor is re-homed in place (``Tensor.set_``), so every holder of the tensor object (the
 optimizer's ``state``, its ``param_groups``, megatron's shard lists) sees the new storage

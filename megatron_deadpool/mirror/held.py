@@ -1,85 +1,87 @@
-"""The mirror's recovery side: what a rank holds (its own slots, its owners' copies), the
-restore of its own copy, the transfer of copies to the ranks that lack theirs, and the
-re-protection of the restored iteration. Mixed into ``Mirror`` (mirror.py), whose state it
-reads: ``own``/``own_iter``, ``recv``/``recv_iter``, ``commits``, ``transport``."""
+"""The copies this rank holds for other ranks (their buddy): two slots per owner (slot parity
+is ``iteration % 2``, as for the own slots), the iteration each one holds (-1: none or being
+rewritten), and which have passed their checksum. Owned by ``Mirror`` (mirror.py)."""
 
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from typing import Dict, Iterable, List, Sequence, Set, Tuple
 
-from ..errors import MirrorCorruptError, MirrorError
+import torch
+
+from ..base.errors import MirrorCorruptError
 from . import snapshot
 
 log = logging.getLogger(__name__)
 
 
 class HeldCopies:
-    def holds_copy(self, owner: int, iteration: int) -> bool:
-        its = self.recv_iter.get(owner)
+    def __init__(self, job: int = 0):
+        self.job = job  # snapshot.job_id(secret): copies of another job are refused
+        self.slots: Dict[int, List[torch.Tensor]] = {}
+        self.iters: Dict[int, List[int]] = {}
+        self.crc_checked: Set[Tuple[int, int]] = set()  # (owner, slot index) whose CRC held
+
+    def allocate(self, owners: Iterable[int], sizes: Sequence[int]) -> None:
+        """Two receive slots per owner, of its slot size. Not pinned: buddy copies travel
+        over the CPU transport, never to a device. Copies of owners no longer held (the
+        placement changed) stay valid, and restorable, until ``drop_owners_not_in``."""
+        for o in owners:
+            old = self.slots.get(o)
+            if old is None or old[0].numel() != sizes[o]:
+                self.slots[o] = [snapshot.alloc_slot(sizes[o], False) for _ in range(2)]
+                self.iters[o] = [-1, -1]
+
+    def slot(self, owner: int, iteration: int) -> torch.Tensor:
+        return self.slots[owner][iteration % 2]
+
+    def receiving(self, owner: int, iteration: int) -> torch.Tensor:
+        """The slot that ``iteration``'s copy of ``owner`` is about to overwrite."""
+        idx = iteration % 2
+        self.iters[owner][idx] = -1
+        self.crc_checked.discard((owner, idx))
+        return self.slots[owner][idx]
+
+    def accept(self, owner: int, iteration: int) -> None:
+        """The copy in place passed its header check."""
+        self.iters[owner][iteration % 2] = iteration
+
+    def holds(self, owner: int, iteration: int) -> bool:
+        its = self.iters.get(owner)
         return its is not None and iteration >= 0 and its[iteration % 2] == iteration
 
-    def restore_local(self, iteration: int) -> dict:
-        """Verify the local copy of ``iteration`` and load it into the live tensors."""
-        slot = self.own[iteration % 2]
-        self.refresh_sources()
-        layout = self.ensure_layout()
-        meta = snapshot.verify(slot, self.rank, iteration, layout, self.job)
-        snapshot.copy_tensors_out(slot, layout, self._tensors)
-        self.refresh_sources()
-        return meta
-
-    def inventory(self) -> dict:
-        """What this rank holds, for the restore decision (recovery/restore.py): only
-        copies whose checksum holds."""
-        self._check_held()
-        return {"own": sorted(i for i in self.own_iter if i >= 0), "committed": self.committed,
-                "copies": {str(o): sorted(i for i in its if i >= 0)
-                           for o, its in self.recv_iter.items() if any(i >= 0 for i in its)}}
-
-    def _check_held(self) -> None:
-        """Each held copy's checksum, once per copy received. A copy is checked by its
-        header when it arrives (mirror.py: every step, per holder, the checksum would read
-        the whole slot again) and by its checksum when it is first needed, here: one damaged
-        in transit or in memory since is dropped, and the restore decision picks an
-        iteration that every rank holds intact."""
-        for o, its in self.recv_iter.items():
+    def inventory(self) -> Dict[str, List[int]]:
+        """``{owner: [iterations]}`` of the copies whose checksum holds. A copy is checked by
+        its header when it arrives (every step, per holder, the checksum would read the
+        whole slot again) and by its checksum when it is first needed, here: one damaged in
+        transit or in memory since is dropped, and the restore decision picks an iteration
+        that every rank holds intact."""
+        for o, its in self.iters.items():
             for idx, it in enumerate(its):
                 if it < 0 or (o, idx) in self.crc_checked:
                     continue
                 try:
-                    snapshot.verify(self.recv[o][idx], o, it, job=self.job, load_meta=False)
+                    snapshot.verify(self.slots[o][idx], o, it, job=self.job, load_meta=False)
                     self.crc_checked.add((o, idx))
                 except MirrorCorruptError as exc:
                     log.warning("held copy dropped: %s", exc)
                     its[idx] = -1
+        return {str(o): sorted(i for i in its if i >= 0)
+                for o, its in self.iters.items() if any(i >= 0 for i in its)}
 
-    def transfer_for_restore(self, iteration: int, serve: Sequence[int], receive_from: Optional[int]
-                             ) -> None:
-        """Holders send their copy of ``iteration`` of each owner in ``serve`` (to the rank of
-        the same id); a rank without its own copy receives it from ``receive_from`` into its
-        own slot."""
-        idx = iteration % 2
-        sends = [(o, snapshot.sealed(self.recv[o][idx])) for o in serve]
-        recvs = []
-        if receive_from is not None:
-            self.ensure_layout()
-            recvs = [(receive_from, self.own[idx])]
-        self.transport.exchange(sends, recvs)
-        if receive_from is not None:
-            self.own_iter[idx] = iteration
+    def copies(self) -> List[Tuple[int, int, torch.Tensor]]:
+        """``(owner, iteration, slot)`` of every copy held."""
+        return [(o, it, self.slots[o][it % 2]) for o, its in self.iters.items()
+                for it in its if it >= 0]
 
-    def after_restore(self, iteration: int) -> None:
-        """Everything newer than the restored iteration is dropped; the restored iteration's
-        copies stay valid (a failure during re-protection can restore it again)."""
-        self.own_iter = [i if i == iteration else -1 for i in self.own_iter]
-        self.recv_iter = {o: [i if i <= iteration else -1 for i in its]
-                          for o, its in self.recv_iter.items()}
-        self.commits.reset(iteration)
+    def drop_newer_than(self, iteration: int) -> None:
+        self.iters = {o: [i if i <= iteration else -1 for i in its]
+                      for o, its in self.iters.items()}
 
-    def reprotect(self, iteration: int, skip=frozenset()) -> None:
-        """Send the restored snapshot to the (possibly new) buddies that do not hold it yet,
-        and commit it."""
-        self._exchange_and_commit(iteration, skip, collective=True)
-        if self.committed != iteration:
-            raise MirrorError(f"re-protection of iteration {iteration} did not commit")
+    def drop_owners_not_in(self, owners: Iterable[int]) -> None:
+        keep = set(owners)
+        for o in [o for o in self.slots if o not in keep]:
+            del self.slots[o], self.iters[o]  # superseded by the new placement
+
+    def buffers(self) -> List[torch.Tensor]:
+        return [b for bufs in self.slots.values() for b in bufs]

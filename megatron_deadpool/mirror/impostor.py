@@ -1,4 +1,4 @@
-"""The 'impostor' test fault (``faults.py``): a client without the job secret knocks on every
+"""The 'impostor' test fault (``base/faults.py``): a client without the job secret knocks on every
 mirror listener of the generation, the way an attacker on the network would, while the job
 trains. The listeners must refuse it and the run must not notice (``tests/scenarios.py``:
 ``impostor_mirror_peer``).

@@ -32,7 +32,7 @@ from typing import Any, List
 import numpy as np
 import torch
 
-from ..errors import MirrorCorruptError
+from ..base.errors import MirrorCorruptError
 
 HEAD = struct.Struct("<I")
 TAGS = ("__bytes", "__tuple", "__ndarray", "__npscalar", "__tensor", "__dict")

@@ -15,29 +15,28 @@ flight, and job k must be done before step k+1 may overwrite the state it reads.
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import MirrorCorruptError, MirrorError
+from ..base.errors import MirrorCorruptError, MirrorError
 from . import d2h, flat, placement, snapshot
 from .commit import CommitTracker
-from .cpu import NO_CLOCK, PhaseClock
 from .held import HeldCopies
-from .threads import lower_thread_priority
+from .jobs import JobThread, SnapshotJob
+from .meter import NO_CLOCK, NO_METER, NullMeter, PhaseClock
 from .transport import MirrorTransport
 
 TensorsFn = Callable[[], Sequence[Tuple[str, torch.Tensor]]]
-PHASES = ("copy", "seal", "exchange", "verify")  # a snapshot job's parts (phase_cpu)
 
 
-class Mirror(HeldCopies):
+class Mirror:
     def __init__(self, rank: int, replicas: int, meta_capacity: int = 1 << 16,
-                 use_cuda: bool = False, flat_state: bool = True):
+                 use_cuda: bool = False, flat_state: bool = True, job: int = 0,
+                 meter: NullMeter = NO_METER):
         self.rank = rank
+        self.job = job  # snapshot.job_id(secret): copies of another job are refused
+        self.meter = meter  # measurement hooks (meter.py); no-ops unless one is attached
         self.flat_state = flat_state  # re-home the sources into flat buffers (flat.py)
         self.replicas = replicas
         self.meta_capacity = meta_capacity
@@ -55,38 +54,30 @@ class Mirror(HeldCopies):
         self.layout: Optional[snapshot.Layout] = None
         self.own: List[torch.Tensor] = []
         self.own_iter = [-1, -1]
-        self.recv: Dict[int, List[torch.Tensor]] = {}
-        self.recv_iter: Dict[int, List[int]] = {}
-        self.crc_checked: set = set()  # (owner, slot index) whose checksum held (held.py)
-        self.last_done: Optional[Tuple[int, float]] = None  # (iteration, perf_counter)
-        self.waits = 0
-        self.wait_s = 0.0
-        self.jobs = 0
-        self.job_s = 0.0
-        self.job_cpu_s = 0.0  # the mirror thread's CPU clock over its snapshot jobs
-        self.phase_cpu = dict.fromkeys(PHASES, 0.0)  # the same, per part of the job
-        self.tid: Optional[int] = None  # the mirror thread's native id
-        self.last_error: Optional[BaseException] = None
-        self._q: "queue.Queue" = queue.Queue()
-        self._idle = threading.Event()
-        self._idle.set()
+        self.held = HeldCopies(job)  # the copies of the owners this rank is a buddy of
+        self._sizes: Optional[List[int]] = None  # every rank's slot size (one generation)
+        self.fault_hook: Optional[Callable[[int], None]] = None  # after the seal (faults)
+        self.on_committed: Optional[Callable[[int], None]] = None  # e.g. fallback saves
+        # (holder, owner, iteration, why), on the mirror thread: recovery/alarms.py
+        self.on_copy_rejected: Optional[Callable[[int, int, int, str], None]] = None
         # Only the own slots receive D2H copies: they alone are pinned (buddy copies arrive
         # over the CPU transport). One side stream; the main thread only records an event.
         self.copier = d2h.Copier(torch.cuda.Stream() if self.pin else None)
         self._step_done = torch.cuda.Event() if self.pin else None
         self._runs: Optional[List[d2h.Run]] = None
-        self._thread = threading.Thread(target=self._loop, name="deadpool-mirror", daemon=True)
-        self._thread.start()
+        self._jobs = JobThread(self._run_job, "deadpool-mirror", self._on_thread_start)
 
     # ------------------------------------------------------------------ wiring
     def set_sources(self, tensors_fn: TensorsFn) -> None:
         self._tensors_fn = tensors_fn
 
-    def set_topology(self, transport: MirrorTransport, rank_to_node: Sequence) -> None:
-        """(Re)connect to a generation: new transport and buddy placement. Receive buffers are
-        reallocated lazily at the next exchange."""
+    def set_topology(self, transport: MirrorTransport, rank_to_node: Sequence,
+                     board=None) -> None:
+        """(Re)connect to a generation: new transport, buddy placement and rejection board
+        (commit.py). Receive buffers are reallocated lazily at the next exchange."""
         self.transport = transport
-        self._sizes: Optional[List[int]] = None
+        self.commits.board = board
+        self._sizes = None
         if self.replicas == 0:  # the local double-buffered snapshot only
             self.buddies, self.holds = [], []
             return
@@ -127,22 +118,19 @@ class Mirror(HeldCopies):
     def failed_commits(self) -> int:
         return self.commits.failed
 
-    def _slots(self) -> List[torch.Tensor]:
-        return list(self.own) + [b for bufs in self.recv.values() for b in bufs]
-
     @property
-    def host_bytes(self) -> int:
-        return sum(b.numel() for b in self._slots())
+    def implicit_commit(self) -> bool:
+        return self.commits.implicit
 
-    @property
-    def pinned_bytes(self) -> int:
-        return sum(b.numel() for b in self._slots() if b.is_pinned())
+    @implicit_commit.setter
+    def implicit_commit(self, implicit: bool) -> None:
+        self.commits.implicit = implicit
 
-    def copy_stats(self) -> dict:
-        """Copies issued per snapshot, bytes and side-stream seconds (all snapshots)."""
-        c = self.copier
-        return {"copies": c.copies, "bytes": c.bytes, "gpu_copy_s": c.gpu_copy_s,
-                "runs": len(self._runs) if self._runs is not None else None}
+    def memory(self) -> dict:
+        """Host bytes of every slot (own and held), and how many of them are pinned."""
+        slots = list(self.own) + self.held.buffers()
+        return {"host_bytes": sum(b.numel() for b in slots),
+                "pinned_bytes": sum(b.numel() for b in slots if b.is_pinned())}
 
     # ------------------------------------------------------------------ steady state
     def begin(self, iteration: int, meta: dict) -> None:
@@ -154,67 +142,42 @@ class Mirror(HeldCopies):
         if self._step_done is not None:
             # Reused: the job of the previous record is done (wait() before every step).
             self._step_done.record()
-        self._idle.clear()
-        self._q.put(("snapshot", iteration, meta, self._step_done))
+        self.meter.snapshot_began()
+        self._jobs.submit(SnapshotJob(iteration, meta, self._step_done))
 
     def wait(self) -> None:
         """Block until the in-flight job is done (before the next step mutates the state).
         Raises MirrorError if it failed."""
-        if not self._idle.is_set():
-            t0 = time.perf_counter()
-            self._idle.wait()
-            self.waits += 1
-            self.wait_s += time.perf_counter() - t0
-        if self.last_error is not None:
-            err, self.last_error = self.last_error, None
+        waited = self._jobs.wait()
+        if waited is not None:
+            self.meter.waited(waited)
+        err = self._jobs.take_error()
+        if err is not None:
             raise MirrorError(f"mirror job failed: {type(err).__name__}: {err}") from err
 
     def quiesce(self, timeout_s: float) -> bool:
         """Wait for the mirror thread to go idle (during recovery, after the abort)."""
-        ok = self._idle.wait(timeout_s)
-        self.last_error = None
-        return ok
-
-    def _loop(self) -> None:
-        self.tid = threading.get_native_id()
-        lower_thread_priority(self.tid)
-        if self.copier.stream is not None:
-            torch.cuda.set_device(self.copier.stream.device)
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            t0, c0 = time.perf_counter(), time.thread_time()
-            kind, iteration, meta, event = item
-            try:
-                if kind == "call":  # run_on_thread: not a snapshot job, not counted
-                    meta["result"] = iteration()
-                    continue
-                self._snapshot_job(iteration, meta, event)
-            except BaseException as exc:  # noqa: BLE001 - handed to the main thread by wait()
-                self.last_error = exc
-            finally:
-                if kind != "call":
-                    self.job_s += time.perf_counter() - t0
-                    self.job_cpu_s += time.thread_time() - c0
-                    self.jobs += 1
-                if self._q.empty():
-                    self._idle.set()
+        return self._jobs.quiesce(timeout_s)
 
     def run_on_thread(self, fn: Callable[[], object]):
         """``fn()`` on the mirror thread once it is idle (measurements under the thread's
-        own priority); its result. Not a snapshot job: no counter moves."""
+        own priority); its result. Not a snapshot job: not measured."""
         self.wait()
-        box: dict = {}
-        self._idle.clear()
-        self._q.put(("call", fn, box, None))
-        self._idle.wait()
-        if "result" not in box:
+        call = self._jobs.call(fn)
+        if "result" not in call.box:
             self.wait()  # raises the call's error
-        return box.get("result")
+        return call.box.get("result")
 
-    def _snapshot_job(self, iteration: int, meta: dict, event) -> None:
-        clock = PhaseClock(self.phase_cpu)
+    def _on_thread_start(self) -> None:
+        if self.copier.stream is not None:
+            torch.cuda.set_device(self.copier.stream.device)
+
+    def _run_job(self, job: SnapshotJob) -> None:
+        with self.meter.job(job.iteration) as clock:
+            self._snapshot_job(job, clock)
+
+    def _snapshot_job(self, job: SnapshotJob, clock: PhaseClock) -> None:
+        iteration = job.iteration
         if self.commits.implicit:  # step ``iteration`` has returned: see commit.py
             done = self.commits.settle(iteration)
             if done is not None:
@@ -223,39 +186,21 @@ class Mirror(HeldCopies):
                     self.on_committed(done)
         idx = iteration % 2
         slot = self.own[idx]
-        self.copier.copy(slot, self._runs, event)
+        self.copier.copy(slot, self._runs, job.step_done)
         clock.lap("copy")
-        snapshot.seal(slot, self.layout, self.rank, iteration, meta, self.job)
+        snapshot.seal(slot, self.layout, self.rank, iteration, job.meta, self.job)
         clock.lap("seal")
         self.own_iter[idx] = iteration
-        self._maybe_fault(iteration)
+        if self.fault_hook is not None:
+            self.fault_hook(iteration)
         self._exchange_and_commit(iteration, clock=clock)
-        self.last_done = (iteration, time.perf_counter())
         if self.on_committed is not None and self.committed == iteration:
             self.on_committed(iteration)  # e.g. a periodic fallback save (persist.py)
 
-    fault_hook: Optional[Callable[[int], None]] = None
-    on_committed: Optional[Callable[[int], None]] = None
-    # (holder, owner, iteration, why), on the mirror thread: recovery/alarms.py
-    on_copy_rejected: Optional[Callable[[int, int, int, str], None]] = None
-    job: int = 0  # snapshot.job_id(secret): copies of another job are refused
-
-    def _maybe_fault(self, iteration: int) -> None:
-        if self.fault_hook is not None:
-            self.fault_hook(iteration)
-
     def _alloc_recv(self) -> None:
-        if self._sizes is not None:
-            return
-        self._sizes = self.transport.all_gather_int(self.layout.total_bytes)
-        for o in self.holds:
-            old = self.recv.get(o)
-            if old is None or old[0].numel() != self._sizes[o]:
-                # Not pinned: buddy copies travel over the CPU transport, never to a device.
-                self.recv[o] = [snapshot.alloc_slot(self._sizes[o], False) for _ in range(2)]
-                self.recv_iter[o] = [-1, -1]
-        # Copies of owners this rank no longer holds (the placement changed) stay valid, and
-        # restorable, until a newer iteration commits (see _exchange_and_commit).
+        if self._sizes is None:
+            self._sizes = self.transport.all_gather_int(self.layout.total_bytes)
+            self.held.allocate(self.holds, self._sizes)
 
     def _exchange_and_commit(self, iteration: int, skip=frozenset(),
                              collective: bool = False, clock: Optional[PhaseClock] = None) -> None:
@@ -269,22 +214,20 @@ class Mirror(HeldCopies):
         idx = iteration % 2
         self._alloc_recv()
         owners = [o for o in self.holds if (o, self.rank) not in skip]
-        for o in owners:
-            self.recv_iter[o][idx] = -1
-            self.crc_checked.discard((o, idx))
+        recvs = [(o, self.held.receiving(o, iteration)) for o in owners]
         mine = snapshot.sealed(self.own[idx])
         self.transport.exchange([(b, mine) for b in self.buddies if (self.rank, b) not in skip],
-                                [(o, self.recv[o][idx]) for o in owners])
+                                recvs)
         clock = clock or NO_CLOCK  # recovery's exchanges are not snapshot jobs
         clock.lap("exchange")
         ok = True
-        for o in owners:  # the header here; the checksum once the copy is needed (held.py)
+        for o, buf in recvs:  # the header here; the checksum once needed (held.py)
             try:
                 if self.discard_from is not None and iteration >= self.discard_from:
-                    self.recv[o][idx][:8].zero_()  # as if it never arrived: no magic
-                snapshot.verify(self.recv[o][idx], o, iteration, job=self.job,
-                                load_meta=False, checksum=False)
-                self.recv_iter[o][idx] = iteration
+                    buf[:8].zero_()  # as if it never arrived: no magic
+                snapshot.verify(buf, o, iteration, job=self.job, load_meta=False,
+                                checksum=False)
+                self.held.accept(o, iteration)
             except MirrorCorruptError as exc:
                 ok = False
                 self._rejected(o, iteration, str(exc))
@@ -303,14 +246,65 @@ class Mirror(HeldCopies):
             self.on_copy_rejected(self.rank, owner, iteration, why)
 
     def drop_arrivals(self, iteration: int) -> None:
-        """The 'drop' test fault (faults.py): reject every copy of ``iteration`` and later."""
+        """The 'drop' test fault (base/faults.py): reject every copy of ``iteration`` and later."""
         self.discard_from = iteration
 
     def _drop_superseded(self) -> None:
-        for o in [o for o in self.recv if o not in self.holds]:
-            del self.recv[o], self.recv_iter[o]  # superseded by the new placement
+        self.held.drop_owners_not_in(self.holds)
+
+    # ------------------------------------------------------------------ recovery side
+    def holds_copy(self, owner: int, iteration: int) -> bool:
+        return self.held.holds(owner, iteration)
+
+    def held_slots(self) -> List[Tuple[int, int, torch.Tensor]]:
+        """``(owner, iteration, slot)`` of every slot this rank holds, its own first."""
+        own = [(self.rank, it, self.own[it % 2]) for it in self.own_iter if it >= 0]
+        return own + self.held.copies()
+
+    def restore_local(self, iteration: int) -> dict:
+        """Verify the local copy of ``iteration`` and load it into the live tensors."""
+        slot = self.own[iteration % 2]
+        self.refresh_sources()
+        layout = self.ensure_layout()
+        meta = snapshot.verify(slot, self.rank, iteration, layout, self.job)
+        snapshot.copy_tensors_out(slot, layout, self._tensors)
+        self.refresh_sources()
+        return meta
+
+    def inventory(self) -> dict:
+        """What this rank holds, for the restore decision (recovery/restore.py): only
+        copies whose checksum holds."""
+        return {"own": sorted(i for i in self.own_iter if i >= 0), "committed": self.committed,
+                "copies": self.held.inventory()}
+
+    def transfer_for_restore(self, iteration: int, serve: Sequence[int],
+                             receive_from: Optional[int]) -> None:
+        """Holders send their copy of ``iteration`` of each owner in ``serve`` (to the rank of
+        the same id); a rank without its own copy receives it from ``receive_from`` into its
+        own slot."""
+        sends = [(o, snapshot.sealed(self.held.slot(o, iteration))) for o in serve]
+        recvs = []
+        if receive_from is not None:
+            self.ensure_layout()
+            recvs = [(receive_from, self.own[iteration % 2])]
+        self.transport.exchange(sends, recvs)
+        if receive_from is not None:
+            self.own_iter[iteration % 2] = iteration
+
+    def after_restore(self, iteration: int) -> None:
+        """Everything newer than the restored iteration is dropped; the restored iteration's
+        copies stay valid (a failure during re-protection can restore it again)."""
+        self.own_iter = [i if i == iteration else -1 for i in self.own_iter]
+        self.held.drop_newer_than(iteration)
+        self.commits.reset(iteration)
+
+    def reprotect(self, iteration: int, skip=frozenset()) -> None:
+        """Send the restored snapshot to the (possibly new) buddies that do not hold it yet,
+        and commit it."""
+        self._exchange_and_commit(iteration, skip, collective=True)
+        if self.committed != iteration:
+            raise MirrorError(f"re-protection of iteration {iteration} did not commit")
 
     def close(self) -> None:
-        self._q.put(None)
-        self._thread.join(timeout=10)
+        self._jobs.close()
         self.transport = None

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 log = logging.getLogger(__name__)
 _ITER = re.compile(r"^iter_(\d{8})-([0-9a-f]{16})$")
@@ -243,11 +243,8 @@ def save_held(mirror, root: str, manifest: Manifest) -> List[Tuple[int, int, int
     iteration still in memory. Returns [(rank, iteration, bytes written)]."""
     from . import snapshot
 
-    held = [(mirror.rank, it, mirror.own[it % 2]) for it in mirror.own_iter if it >= 0]
-    held += [(o, it, mirror.recv[o][it % 2]) for o, its in mirror.recv_iter.items()
-             for it in its if it >= 0]
     out = []
-    for owner, it, slot in held:
+    for owner, it, slot in mirror.held_slots():
         try:
             snapshot.verify(slot, owner, it, job=mirror.job)
         except Exception:  # noqa: BLE001 - a torn or foreign slot is not worth saving

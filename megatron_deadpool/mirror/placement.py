@@ -29,7 +29,7 @@ from __future__ import annotations
 from math import gcd
 from typing import Dict, Hashable, List, Sequence
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 # Shifts tried per rank before falling back to the node ring: bounds the cost on degenerate
 # layouts (one huge node next to tiny ones) to O(W * (_MAX_SHIFTS + K)).

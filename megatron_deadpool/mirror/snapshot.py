@@ -24,7 +24,6 @@ import hashlib
 import os
 import struct
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
@@ -33,7 +32,7 @@ import numpy as np
 import torch
 from crc32c import crc32c
 
-from ..errors import MirrorCorruptError
+from ..base.errors import MirrorCorruptError
 from . import metadata
 from .threads import lower_thread_priority
 
@@ -136,12 +135,9 @@ CRC_CHUNK = 64 << 20
 CRC_THREADS = min(8, max(1, (os.cpu_count() or 2) // 2))
 _pool: "ThreadPoolExecutor | None" = None
 _pool_lock = threading.Lock()
-CRC_POOL_TIDS: set = set()  # native ids of the pool's threads (CPU accounting)
-_pool_cpu = [0.0]  # CPU seconds the pool's threads spent checksumming
 
 
 def _pool_init() -> None:
-    CRC_POOL_TIDS.add(threading.get_native_id())
     lower_thread_priority(threading.get_native_id())
 
 
@@ -154,23 +150,10 @@ def _executor() -> ThreadPoolExecutor:
         return _pool
 
 
-def _crc_timed(piece) -> int:
-    t0 = time.thread_time()
-    v = crc32c(piece)
-    with _pool_lock:
-        _pool_cpu[0] += time.thread_time() - t0
-    return v
-
-
-def pool_cpu_s() -> float:
-    """CPU seconds spent by the checksum pool's threads so far (this process)."""
-    return _pool_cpu[0]
-
-
 def _chunk_crcs(mv: memoryview) -> bytes:
     pieces = [mv[i:i + CRC_CHUNK] for i in range(0, len(mv), CRC_CHUNK)]
     if len(pieces) > 1 and CRC_THREADS > 1:
-        crcs = list(_executor().map(_crc_timed, pieces))
+        crcs = list(_executor().map(crc32c, pieces))
     else:
         crcs = [crc32c(p) for p in pieces]
     return struct.pack(f"<{len(crcs)}I", *crcs)

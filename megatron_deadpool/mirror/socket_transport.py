@@ -40,10 +40,10 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..errors import MirrorError, TransportTimeout
+from ..base.errors import DeadpoolError, MirrorError, TransportTimeout
 from ..membership import auth
 from . import handshake
-from .transport import MirrorTransport
+from .transport import MirrorTransport, TransportContext, register_transport
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,14 @@ def local_address(toward: str, route=_route_source, environ=os.environ) -> str:
     if addr is None or (_is_loopback(addr) and not _is_loopback(toward)):
         addr = route("10.255.255.255") or addr  # any non-local address: the default route
     return addr or "127.0.0.1"
+
+
+@register_transport("socket")
+def _create(ctx: TransportContext) -> "SocketTransport":
+    if ctx.secret is None or ctx.gloo is None:
+        raise DeadpoolError("the socket mirror transport needs the job secret and a gloo group")
+    return SocketTransport(ctx.store, ctx.rank, ctx.world_size, ctx.gloo, ctx.host, ctx.secret,
+                           ctx.gen, timeout_s=ctx.timeout_s)
 
 
 class SocketTransport(MirrorTransport):

@@ -7,6 +7,11 @@ Every implementation passes the same conformance test (tests/test_transport.py).
     all_gather_int(v) -> [v of rank 0, 1, ...]         (slot sizes)
     all_gather_json(obj) -> [obj of rank 0, 1, ...]    (restore inventories)
 
+Transports are built by name through a registry, the way torch elastic registers its
+rendezvous backends: ``create_transport(name, TransportContext)``. A new transport is one
+class, one ``@register_transport("name")`` factory and one entry in the conformance test
+(and its name in ``base/config.py``'s ``MIRROR_TRANSPORTS``, the flag's choices).
+
 Buffers are uint8 CPU tensors; receive buffers are preallocated by the caller, at least as
 large as what the sender sends, which fills their prefix (the rest is left as it was: a
 snapshot slot says in its header how much of it counts). Every call takes an optional
@@ -17,12 +22,13 @@ from __future__ import annotations
 
 import abc
 import json
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import TransportTimeout
+from ..base.errors import ConfigError, TransportTimeout
 
 
 class MirrorTransport(abc.ABC):
@@ -190,3 +196,62 @@ class StoreTransport(MirrorTransport):
         vals = self._gather("json", json.dumps(obj), timeout_s)
         self._round += 1
         return [json.loads(v) for v in vals]
+
+
+# ---------------------------------------------------------------- the registry
+@dataclass(frozen=True)
+class TransportContext:
+    """What one generation offers a transport."""
+
+    store: Any                          # this generation's c10d store
+    rank: int
+    world_size: int
+    gloo: Optional[MirrorTransport]     # the mirror's own gloo group (its collectives)
+    host: str = "127.0.0.1"             # the address a listener is published under
+    secret: Optional[str] = None        # the job's (handshakes, signed addresses)
+    gen: int = 0
+    timeout_s: float = 600.0            # each operation's deadline
+
+
+Factory = Callable[[TransportContext], MirrorTransport]
+_FACTORIES: Dict[str, Factory] = {}
+
+
+def register_transport(name: str) -> Callable[[Factory], Factory]:
+    def add(factory: Factory) -> Factory:
+        if name in _FACTORIES:
+            raise ValueError(f"mirror transport {name!r} is registered twice")
+        _FACTORIES[name] = factory
+        return factory
+    return add
+
+
+def _load_builtin() -> None:
+    from . import socket_transport  # noqa: F401 - registers "socket"
+
+
+def transport_names() -> List[str]:
+    _load_builtin()
+    return sorted(_FACTORIES)
+
+
+def create_transport(name: str, ctx: TransportContext) -> MirrorTransport:
+    _load_builtin()
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        raise ConfigError(f"unknown mirror transport {name!r}; registered: "
+                          f"{', '.join(sorted(_FACTORIES))}")
+    return factory(ctx)
+
+
+@register_transport("gloo")
+def _gloo(ctx: TransportContext) -> MirrorTransport:
+    if ctx.gloo is None:
+        raise ConfigError("the gloo mirror transport needs the mirror's gloo group")
+    return ctx.gloo
+
+
+@register_transport("store")
+def _store(ctx: TransportContext) -> MirrorTransport:
+    return StoreTransport(ctx.store, ctx.rank, ctx.world_size, tag=f"mirror/{ctx.gen}",
+                          timeout_s=ctx.timeout_s)

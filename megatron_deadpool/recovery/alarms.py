@@ -11,6 +11,9 @@ file, and counts in its result file (the launch summary adds them up, launch/sum
 from __future__ import annotations
 
 import logging
+from typing import Callable
+
+from ..base.vocabulary import Event
 
 log = logging.getLogger(__name__)
 
@@ -25,22 +28,18 @@ def unprotected(iteration: int, committed: int) -> bool:
     return iteration - committed > UNPROTECTED_LAG
 
 
-def _no_event(event: str, **fields) -> None:
-    """The event sink until the runtime sets its own."""
-
-
 class Alarms:
     """One worker's mirror alarms. ``emit``: the runtime's event sink (``EventSink.emit``)."""
 
-    def __init__(self):
-        self.emit = _no_event
+    def __init__(self, emit: Callable[..., None] = lambda event, **fields: None):
+        self.emit = emit
         self.unprotected_steps = 0  # after_step calls that found this rank UNPROTECTED
 
     def copy_rejected(self, holder: int, owner: int, iteration: int, why: str) -> None:
         """A copy that ``holder`` received from ``owner`` failed its check (mirror thread)."""
         log.warning("mirror: rank %s rejected the copy of rank %s, iteration %s: %s; that "
                     "iteration does not commit", holder, owner, iteration, why)
-        self.emit("mirror_copy_rejected", rank=holder, owner=owner, iteration=iteration,
+        self.emit(Event.COPY_REJECTED, rank=holder, owner=owner, iteration=iteration,
                   why=why)
 
     def step(self, rank: int, iteration: int, committed: int) -> None:
@@ -53,4 +52,4 @@ class Alarms:
                     rank, iteration, committed, UNPROTECTED_LAG)
         self.unprotected_steps += 1
         if not unprotected(iteration - 1, committed):
-            self.emit("unprotected", rank=rank, iteration=iteration, committed=committed)
+            self.emit(Event.UNPROTECTED, rank=rank, iteration=iteration, committed=committed)

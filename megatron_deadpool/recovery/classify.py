@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import re
 
-from ..errors import MirrorError
+from ..base.errors import DeadpoolError, MirrorError
+from ..membership.store import GenerationMoved
 
 _COMM_PATTERNS = re.compile(
     r"Connection closed by peer|Connection reset by peer|Connection refused|Broken pipe|"
@@ -44,3 +45,11 @@ def is_peer_failure(exc: BaseException, aborted: bool) -> bool:
     if isinstance(exc, (KeyboardInterrupt, SystemExit)):
         return False
     return aborted or is_comm_failure(exc)
+
+
+def failed_again(exc: BaseException, aborted: bool) -> bool:
+    """A failure inside a recovery attempt that a newer generation may cure: not a stop, a
+    stale generation or a lost state (DeadpoolErrors that are not mirror errors: terminal)."""
+    if isinstance(exc, DeadpoolError) and not isinstance(exc, MirrorError):
+        return False
+    return aborted or is_comm_failure(exc) or isinstance(exc, GenerationMoved)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-from ..megatron.support import parallel_layout
+from ..adapters.support import parallel_layout
 from ..mirror import persist
 
 log = logging.getLogger(__name__)
@@ -18,13 +18,13 @@ class Fallback:
         self.root, self.every, self.job_id = root, every, job_id
         self.manifest: Optional[persist.Manifest] = None
 
-    def attach(self, mirror, handle) -> Optional[Callable[[int], None]]:
-        """At attach (``handle.world_size``: stable, a spare takes the dead rank's id): this
-        run's manifest; returns the periodic save to run after each commit, or None."""
+    def attach(self, mirror, world_size: int) -> Optional[Callable[[int], None]]:
+        """At attach (``world_size``: stable, a spare takes the dead rank's id): this run's
+        manifest; returns the periodic save to run after each commit, or None."""
         if not self.root:
             return None
         self.manifest = persist.Manifest(self.job_id, _run_id(),
-                                         *parallel_layout(handle.world_size))
+                                         *parallel_layout(world_size))
         if not self.every:
             return None
         return lambda it: persist.periodic(mirror, self.root, self.every, self.manifest, it)

@@ -1,15 +1,16 @@
 """The worker's fault points, wired to what each fault kind acts on: the signal kinds
-signal this process (``faults.py``); ``drop`` makes this rank's holder refuse the copies
-that arrive (``mirror.drop_arrivals``); ``impostor`` starts a thread that attacks the
-mirror listeners (``mirror/impostor.py``). Every delivery is reported to the decider first
-(a ``fault_request`` event: it times detection from there)."""
+signal this process (``base/faults.py``); the other kinds are actions on what this rank
+protects (``attachment``: ``control/protected.py``), bound here by kind name: ``drop``
+makes this rank's holder refuse the copies that arrive, ``impostor`` starts a thread that
+attacks the mirror listeners (``mirror/impostor.py``). Every delivery is reported to the
+decider first (a ``fault_request`` event: it times detection from there)."""
 
 from __future__ import annotations
 
 import logging
 from typing import Callable
 
-from ..faults import FaultPoints
+from ..base.faults import FaultPoints
 from ..membership.store import EventKind
 from ..mirror import impostor
 
@@ -22,6 +23,7 @@ def worker_fault_points(env, member, rank: Callable[[], int], attachment) -> Fau
                           node=env.node, iteration=iteration, phase=phase)
         log.info("fault %s delivered at iteration %s (%s)", fault.kind, iteration, phase)
 
+    actions = {"drop": lambda fault, it: attachment.drop_arrivals(it),
+               "impostor": lambda fault, it: attachment.start_impostor(impostor.start)}
     return FaultPoints(env.faults, rank=rank, node=env.node, claim=member.claim_fault,
-                       report=report, drop=lambda it: attachment.mirror.drop_arrivals(it),
-                       impostor=lambda: impostor.start(attachment.mirror.transport))
+                       report=report, actions=actions)

@@ -10,8 +10,9 @@ world is formed again (bounded)::
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
-from ..errors import DeadpoolError, StaleGenerationError
+from ..base.errors import DeadpoolError, StaleGenerationError
 from ..membership.plan import Plan
 from ..membership.store import GenerationMoved
 from .classify import is_peer_failure
@@ -21,28 +22,28 @@ log = logging.getLogger(__name__)
 MAX_GENERATIONS = 8
 
 
-def adopt(plan: Plan, lid: int, handle) -> Plan:
-    """Take this process's rank in ``plan``; StaleGenerationError if it is not a member."""
+def rank_in(plan: Plan, lid: int) -> int:
+    """Process ``lid``'s rank in ``plan``; StaleGenerationError if it is not a member."""
     rank = plan.rank(lid)
     if rank is None:
         raise StaleGenerationError(f"process {lid} is not a member of generation {plan.gen} "
                                    "(it was declared failed); exiting")
-    handle.set_rank(rank, plan.world_size)
-    return plan
+    return rank
 
 
-def form_world(plan: Plan, lid: int, handle, member, world, timeout_s: float,
+def form_world(plan: Plan, adopt: Callable[[Plan], int], member, world, timeout_s: float,
                with_groups: bool) -> Plan:
-    """Returns the plan whose world was formed (``plan`` or a newer one)."""
+    """Returns the plan whose world was formed (``plan`` or a newer one). ``adopt(plan)``
+    takes this process's rank in a plan (the runtime's state) and returns it."""
     for _ in range(MAX_GENERATIONS):
-        adopt(plan, lid, handle)
+        rank = adopt(plan)
         try:
             member.arrive(plan.gen, plan.world_size)
         except GenerationMoved as moved:
             plan = member.wait_for_plan(plan.gen + 1, timeout_s, moved)
             continue
         try:
-            world.init_process_group(member.store, plan.gen, handle.rank, plan.world_size)
+            world.init_process_group(member.store, plan.gen, rank, plan.world_size)
             if with_groups:
                 world.build_groups()
             return plan

@@ -1,5 +1,6 @@
-"""One enum of recovery phases, a timer that yields a per-phase breakdown, and the
-JSON-lines event sink (``--deadpool-events``).
+"""A timer that yields a recovery's per-phase breakdown (``base/vocabulary.py``'s
+``Phase``), the JSON-lines event sink (``--deadpool-events``, its ``Event`` names) and what
+one recovery attempt carries from step to step.
 
 Each rank's phases tile its recovery, from its abort to the end of its first step; ``detect``
 is the decider's (the failure until the plan). A promoted spare has no abort:
@@ -12,7 +13,6 @@ is the decider's (the failure until the plan). A promoted spare has no abort:
 
 from __future__ import annotations
 
-import enum
 import json
 import os
 import threading
@@ -20,17 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
-
-class Phase(str, enum.Enum):
-    DETECT = "detect"
-    ABORT = "abort"
-    RENDEZVOUS = "rendezvous"
-    REBUILD_GROUPS = "rebuild_groups"
-    RESTORE_STATE = "restore_state"
-    FIRST_STEP = "first_step"
-
-
-PHASE_ORDER = tuple(p.value for p in Phase)
+from ..base.vocabulary import Event, Phase
 
 
 class EventSink:
@@ -41,10 +31,10 @@ class EventSink:
         self.path = path
         self._lock = threading.Lock()
 
-    def emit(self, event: str, **fields) -> None:
+    def emit(self, event: Event, **fields) -> None:
         if not self.path:
             return
-        rec = {"ts": round(time.time(), 6), "event": event, **fields}
+        rec = {"ts": round(time.time(), 6), "event": Event(event).value, **fields}
         line = (json.dumps(rec, sort_keys=True) + "\n").encode()
         with self._lock:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -76,7 +66,7 @@ class PhaseTimer:
             return
         dt = time.perf_counter() - self._t0
         self.durations[self._cur.value] = self.durations.get(self._cur.value, 0.0) + dt
-        self.sink.emit("phase", phase=self._cur.value, duration_s=round(dt, 6),
+        self.sink.emit(Event.PHASE, phase=self._cur.value, duration_s=round(dt, 6),
                        generation=self.generation, rank=self.rank)
         self._cur = None
 
@@ -88,6 +78,11 @@ class Attempt:
     cause: BaseException
     iteration_at_failure: Optional[int]   # None: a promoted spare's own restore
     timer: PhaseTimer
+    spare: bool = False                   # a promoted spare's own restore (Role.PROMOTED)
     plan: Any = None                      # membership.plan.Plan, once taken
     old_groups: list = field(default_factory=list)
     restored: int = -1
+
+    def phase(self, phase: Optional[Phase]) -> None:
+        """Begin timing ``phase`` (None: stop); the phase before it closes."""
+        self.timer.start(phase) if phase is not None else self.timer.stop()

@@ -19,7 +19,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ..errors import RebindAuditError
+from ..base.errors import RebindAuditError
 
 _ATOMIC = (str, bytes, int, float, bool, complex, type(None), types.FunctionType,
            types.BuiltinFunctionType, types.ModuleType, type, types.MethodType)

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..errors import ConfigError, NoCommittedStateError
+from ..base.errors import ConfigError, NoCommittedStateError
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def resume(mirror, optimizer, model, root: str, layout: tuple) -> Tuple[int, dic
     """``--deadpool-resume``: every rank loads its own saved slot of the newest iteration
     saved for all ranks of this ``layout`` (world, tp, pp, dp) that every rank verifies
     (``mirror/persist.py``), exactly as a spare loads a buddy's copy."""
-    from ..errors import MirrorCorruptError
+    from ..base.errors import MirrorCorruptError
     from ..mirror import persist
 
     saved = persist.scan(root)
@@ -127,7 +127,7 @@ def resume(mirror, optimizer, model, root: str, layout: tuple) -> Tuple[int, dic
 def _create_optimizer_state(optimizer) -> None:
     """A rank without a step behind it (a spare, a resumed job) creates the state the copy
     fills."""
-    from ..megatron import shard
+    from ..adapters import shard
 
     for opt in shard.distributed_optimizers(optimizer):
         if not opt.optimizer.state:
@@ -135,7 +135,7 @@ def _create_optimizer_state(optimizer) -> None:
 
 
 def _load_and_reprotect(mirror, optimizer, model, chosen: int, skip) -> dict:
-    from ..megatron import shard
+    from ..adapters import shard
 
     meta = mirror.restore_local(chosen)
     if meta.get("optimizer_state_empty"):

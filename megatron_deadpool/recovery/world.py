@@ -23,6 +23,7 @@ import threading
 from datetime import timedelta
 from typing import Callable, Optional
 
+from ..base.vocabulary import Event
 from . import abort as ab
 from .shared_groups import shared_gloo_groups
 
@@ -160,7 +161,7 @@ class World:
             self.on_abort()
             self.aborted = True
             self._live_gen = None
-        self.emit("abort", generation=live, rank=rank, reason=reason, **info)
+        self.emit(Event.ABORT, generation=live, rank=rank, reason=reason, **info)
 
     def forget(self) -> None:
         """The live generation is over without an abort (it never formed, or we exit)."""

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional
 
-from ..config import DeadpoolConfig, add_deadpool_args
-from ..errors import ConfigError
+from ..base.config import DeadpoolConfig, add_deadpool_args
+from ..base.errors import ConfigError
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
             "micro_batch_size", "global_batch_size", "train_iters")

@@ -13,7 +13,7 @@ import time
 from functools import partial
 from types import SimpleNamespace
 
-from ..errors import DeadpoolError
+from ..base.errors import DeadpoolError
 from .args import parse_args, validate
 
 
@@ -179,7 +179,7 @@ def _prepare(argv):
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(args, world_size)
 
-    from ..worker_env import dump_stacks_on_crash, log_to_stdout
+    from ..base.worker_env import dump_stacks_on_crash, log_to_stdout
 
     dump_stacks_on_crash()
     _choose_device(args)
@@ -259,7 +259,7 @@ def _choose_device(args) -> None:
     if args.backend is None:
         args.backend = "nccl" if args.device == "cuda" else "gloo"
     if args.device == "cpu":
-        from ..megatron import cpu_mode
+        from ..adapters import cpu_mode
 
         cpu_mode.enable()
         torch.set_num_threads(1)  # fixed thread count: bitwise determinism on CPU

@@ -3,7 +3,7 @@ of optimizer shard each rank mirrors, and how much host memory the mirror takes 
 for K = 1 and K = 2 buddy copies. Pure functions of the preset, the system and the node
 count (``deadpool plan`` prints them and refuses a layout that does not fit).
 
-What the mirror holds per rank (README "How it works"; ``mirror/mirror.py``):
+What the mirror holds per rank (docs/how-it-works.md; ``mirror/mirror.py``):
 * the distributed-optimizer shard: fp32 main params + Adam ``exp_avg`` + ``exp_avg_sq`` =
   12 bytes per element, ``ceil(params_per_rank / dp)`` elements (bucket padding ignored);
 * with DP = 1 the bf16 model params too (no DP replica to gather them from), 2 bytes each;

@@ -2,7 +2,7 @@
 its formulas and every default's source are in docs/simulator.md).
 
     measured recovery phases (bench recovery, CPU world sizes) ─► per-phase scaling law
-        (scaling.py) ─► hot swap time lost per failure at W GPUs (+ bandwidth, redone step)
+        (base/scaling.py) ─► hot swap time lost per failure at W GPUs (+ bandwidth, redone step)
     failures at rate nodes / node MTBF ─► goodput of hot swap, checkpoint/restart and
         in-process restart; Poisson spare count; leave-one-out validation against the file.
 """
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from . import scaling
-from .errors import ConfigError, DeadpoolError
-from .recovery.phases import PHASE_ORDER
+from ..base import scaling
+from ..base.errors import ConfigError, DeadpoolError
+from ..base.vocabulary import PHASE_ORDER
 
 DEFAULT_GPUS = (512, 4096, 100000)
 STRATEGIES = ("hotswap", "checkpoint_restart", "inprocess_restart")

@@ -12,9 +12,9 @@ import os
 import tempfile
 import time
 
-from .launch.launcher import LaunchOptions, run
-from .launch.progress import Console
-from .recovery.phases import PHASE_ORDER
+from ..launch.launcher import LaunchOptions, run
+from ..launch.progress import Console
+from ..base.vocabulary import PHASE_ORDER
 
 DEMO_FLAGS = [
     "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",

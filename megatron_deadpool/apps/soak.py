@@ -16,8 +16,8 @@ import tempfile
 from typing import List
 
 from .demo import DEMO_FLAGS
-from .launch.launcher import LaunchOptions, run
-from .launch.progress import Console
+from ..launch.launcher import LaunchOptions, run
+from ..launch.progress import Console
 
 # (kind, phase): the recoverable single-process faults the schedule draws from.
 KINDS = (("kill", "forward_backward"), ("kill", "optimizer"), ("kill", "mirror"),

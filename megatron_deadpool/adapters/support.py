@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
-from ..errors import UnsupportedConfigError
+from ..base.errors import UnsupportedConfigError
 
 
 def unsupported_features(model_chunks: Sequence) -> List[str]:

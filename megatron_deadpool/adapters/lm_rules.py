@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, ContextManager, List, Tuple
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 # The megatron-core *wheel* the reference trainer and the demo run on (Python 3.11, the local
 # CPU torch). Megatron-LM trees are identified by tag instead (tags.py).

@@ -54,7 +54,7 @@ class PretrainIterators:
         pipeline stages, as pretrain() does). The build's collectives (dataset barriers,
         the do_* broadcast) run suppressed on every rank, exactly as on a promoted spare;
         the do_* flags stay as restored."""
-        from ..errors import ConfigError
+        from ..base.errors import ConfigError
         from ..recovery.quiet import CollectiveSuppressor
 
         if dataset_provider is None:

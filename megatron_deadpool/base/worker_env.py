@@ -13,6 +13,7 @@ from typing import List, Mapping, Optional
 
 from . import faults as fault_schedule
 from .errors import DeadpoolError
+from .state import Role
 
 _NAMES = {"lid": "DEADPOOL_LID", "node": "DEADPOOL_NODE", "role": "DEADPOOL_ROLE",
           "store_host": "DEADPOOL_STORE_HOST", "store_port": "DEADPOOL_STORE_PORT",
@@ -31,7 +32,7 @@ PROGRESS_PREFIX = "[deadpool progress] "
 class WorkerEnv:
     lid: int = -1                 # launcher process id (stable for the process's life)
     node: int = -1
-    role: str = "active"          # active | spare
+    role: Role = Role.ACTIVE      # ACTIVE, or SPARE (a standby spare)
     store_host: str = "127.0.0.1"
     store_port: int = 0
     results_dir: Optional[str] = None
@@ -44,6 +45,9 @@ class WorkerEnv:
     world_size: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))  # "spare" from a test or a CLI
 
     def mirror_on(self, iteration: int) -> bool:
         """Whether step ``iteration`` (1-based) is snapshotted (``bench_block``)."""
@@ -70,7 +74,7 @@ class WorkerEnv:
             raise DeadpoolError(f"--deadpool needs {', '.join(missing)} in the environment: "
                                 "start the job with `deadpool launch`")
         get = lambda n, d=None: env.get(_NAMES[n], d)  # noqa: E731
-        return cls(lid=int(get("lid")), node=int(get("node")), role=get("role", "active"),
+        return cls(lid=int(get("lid")), node=int(get("node")), role=Role(get("role", "active")),
                    store_host=get("store_host", "127.0.0.1"),
                    store_port=int(get("store_port")), results_dir=get("results_dir"),
                    faults=fault_schedule.from_json(get("faults", "")),

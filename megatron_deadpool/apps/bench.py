@@ -3,7 +3,7 @@ timed unit test.
 
 * ``overhead``: the same config with the mirror off and on, interleaved (off, on, off, on,
   ...), median step time of each and the ratio.
-* ``recovery``: in ``bench_recovery.py``.
+* ``recovery``: in ``apps/bench_recovery.py``.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import statistics
 import tempfile
 from typing import List, Optional
 
+from ..base.worker_env import WorkerEnv
 from .demo import DEMO_FLAGS
-from .launch.launcher import LaunchOptions, run
-from .launch.progress import Console
-from .launch.summary import read_rank_results
+from ..launch.launcher import LaunchOptions, run
+from ..launch.progress import Console
+from ..launch.summary import read_rank_results
 
 WARMUP_ITERS = 3
 IN_RUN_ITERS = 150  # 37 blocks of 4: ~55 kept steps per mode
@@ -133,7 +134,7 @@ def _fmt(x, digits: int = 2) -> str:
 
 
 def mirror_cost(results_dir: str, world_size: int) -> dict:
-    """One job's mirror cost from the ranks' results (``mirror/cpu.py``): the CPU fraction
+    """One job's mirror cost from the ranks' results (``mirror/meter.py``): the CPU fraction
     per rank and its max, and the snapshot's copy bandwidth against a plain copy."""
     ranks = read_rank_results(results_dir, world_size)
     fr = [(x.get("mirror_cpu") or {}).get("mirror_cpu_fraction") for x in ranks]
@@ -215,7 +216,8 @@ def in_run(argv: List[str], nodes: int, procs_per_node: int, block: int = IN_RUN
         raise RuntimeError(f"in-run benchmark failed: {s['error']} (see {log})")
     per_rank = read_rank_results(work, nodes * procs_per_node)
     steps = [max(xs) for xs in zip(*(x["step_s"] for x in per_rank))]
-    modes = per_rank[0]["bench_modes"]
+    modes = ["on" if WorkerEnv(bench_block=block).mirror_on(i + 1) else "off"
+             for i in range(len(steps))]
     by = {"on": [], "off": []}
     blocks: List[tuple] = []
     for i, (t, m) in enumerate(zip(steps, modes)):

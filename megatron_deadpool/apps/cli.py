@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from .errors import DeadpoolError
+from ..base.errors import DeadpoolError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -110,7 +110,7 @@ def _add_launch(lp) -> None:
                          "(e.g. Megatron-LM's pretrain_gpt.py)")
     lp.add_argument("--device", choices=["cpu", "cuda"], default=None,
                     help="cpu: CPU mode (with --script: the package's CPU mode, gloo and the "
-                         "CPU-only Megatron-LM flags the README lists); default: the "
+                         "CPU-only Megatron-LM flags of docs/cpu-mode.md); default: the "
                          "trainer's own choice")
     lp.add_argument("--inject", action="append", default=[], metavar="SPEC",
                     help="fault to inject, repeatable: kill:node=1@iter=12, "
@@ -171,7 +171,7 @@ def _add_bench(sub) -> None:
 
 
 def _run_launch(args, rest: List[str]) -> int:
-    from .launch.launcher import LaunchOptions, run
+    from ..launch.launcher import LaunchOptions, run
 
     opts = LaunchOptions(
         nodes=args.nodes, procs_per_node=args.procs_per_node,
@@ -258,7 +258,7 @@ def _preset_path(name: str) -> Path:
     if os.path.exists(name):
         return Path(name)
     base = Path(os.environ.get("DEADPOOL_PRESETS")
-                or Path(__file__).resolve().parents[1] / "configs" / "presets")
+                or Path(__file__).resolve().parents[2] / "configs" / "presets")
     path = base / f"{name}.json"
     if not path.exists():
         known = sorted(p.stem for p in base.glob("*.json"))
@@ -267,7 +267,8 @@ def _preset_path(name: str) -> Path:
 
 
 def _run_sim(args) -> int:
-    from . import planning, sim, sim_plot
+    from ..base import planning
+    from . import sim, sim_plot
 
     fields = {f.name for f in sim.dataclasses.fields(sim.SimConfig)}
     kw = {k: v for k, v in vars(args).items() if k in fields and v is not None}
@@ -276,7 +277,7 @@ def _run_sim(args) -> int:
         kw["model_params"] = float(planning.total_params(
             json.loads(_preset_path(args.preset).read_text())["model"]))
     cfg = sim.SimConfig(**kw)
-    measured = args.measured or str(Path(__file__).resolve().parents[1] / "docs" / "data"
+    measured = args.measured or str(Path(__file__).resolve().parents[2] / "docs" / "data"
                                     / "bench_recovery.json")
     result = sim.simulate(cfg, measured)
     print("\n".join(sim_plot.format_table(result)))
@@ -292,7 +293,7 @@ def _run_sim(args) -> int:
 
 
 def _run_plan(args) -> int:
-    from . import planning
+    from ..base import planning
 
     preset = json.loads(_preset_path(args.preset).read_text())
     try:

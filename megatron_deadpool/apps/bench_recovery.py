@@ -22,11 +22,11 @@ import tempfile
 from typing import Dict, List, Optional, Sequence
 
 from .demo import DEMO_FLAGS
-from .errors import DeadpoolError
-from .launch.launcher import LaunchOptions, run
-from .launch.progress import Console
-from .launch.summary import read_rank_results
-from .recovery.phases import PHASE_ORDER
+from ..base.errors import DeadpoolError
+from ..launch.launcher import LaunchOptions, run
+from ..launch.progress import Console
+from ..launch.summary import read_rank_results
+from ..base.vocabulary import PHASE_ORDER
 
 PROCS_PER_NODE = 2
 KILL_ITER, TRAIN_ITERS = 8, 12

@@ -8,7 +8,7 @@ import math
 from typing import Dict, List
 
 from . import sim
-from .errors import DeadpoolError
+from ..base.errors import DeadpoolError
 
 LABELS = {"hotswap": "DeadPool hot swap", "checkpoint_restart": "checkpoint/restart",
           "inprocess_restart": "in-process restart + checkpoint reload"}

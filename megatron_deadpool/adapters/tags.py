@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class Tag:
     # ---- the adapter: what differs between the tags, as data
     # evaluate_and_print_results' extra keyword arguments, taken from train()'s arguments
     eval_kwargs: Tuple[str, ...] = ()
-    # bucket-group fields a dropped step must reset besides the 0.16.1 ones (megatron/ddp.py)
+    # bucket-group fields a dropped step must reset besides the 0.16.1 ones (adapters/ddp.py)
     bucket_group_resets: Dict[str, object] = field(default_factory=dict)
     # train()'s extra arguments that hold process groups (rebound like the model's)
     train_group_holders: Tuple[str, ...] = ()

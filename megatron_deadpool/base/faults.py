@@ -19,7 +19,7 @@
                                  recovery, to test cascades)
 
 The launcher parses the ``--inject`` specs once, validates them and passes the schedule to
-every worker (``worker_env.py``), so every rank agrees on it. ``Fault.index`` (the position in
+every worker (``base/worker_env.py``), so every rank agrees on it. ``Fault.index`` (the position in
 the schedule) is the fault's unique id.
 
 Delivery (:class:`FaultPoints`, in the worker): the first process to reach a fault's point
@@ -37,35 +37,49 @@ import random
 import signal as _signal
 import threading
 from dataclasses import asdict, dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from .errors import ConfigError
+from .vocabulary import FAULT_PHASES, Phase
 
-KINDS = ("kill", "stop", "term", "segv", "raise", "drop", "impostor")
-# The signal the node agent delivers for each kind; "raise" is a local error raised by the
-# rank itself (an exception in its step: the job must fail fast, no recovery); "drop" makes
-# the rank reject every mirror copy it receives from then on (a holder that loses copies);
-# "impostor" makes it start a foreign mirror client (the listeners must refuse it).
-SIGNALS = {"kill": "SIGKILL", "stop": "SIGSTOP", "term": "SIGTERM", "segv": "SIGSEGV"}
-PHASES = ("forward_backward", "optimizer", "mirror", "rendezvous", "rebuild_groups",
-          "restore_state", "save", "eval")
+
+@dataclass(frozen=True)
+class FaultKind:
+    """One kind of fault, the only place a kind is declared. A signal kind is delivered as
+    ``signal`` (to the process that reaches the point; its node agent signals the node's
+    others). Any other kind is an action the worker binds by name (``actions`` of
+    :class:`FaultPoints`: ``recovery/fault_points.py``)."""
+
+    name: str
+    signal: Optional[str] = None  # e.g. "SIGKILL"; None: an action in the rank
+    rank_only: bool = False       # targets one rank (kind:rank=N), never a node
+    claimed: bool = True          # fires once in the job (False: on every rank it targets)
+    what: str = ""
+
+
+KINDS: Dict[str, FaultKind] = {k.name: k for k in (
+    FaultKind("kill", "SIGKILL", what="the process dies"),
+    FaultKind("stop", "SIGSTOP", what="the process hangs"),
+    FaultKind("term", "SIGTERM", what="the process is asked to stop"),
+    FaultKind("segv", "SIGSEGV", what="the process crashes"),
+    # a local error raised by the rank itself (an exception in its step): the job must fail
+    # fast, no recovery
+    FaultKind("raise", claimed=False, what="an exception in the rank's step"),
+    # the rank rejects every mirror copy it receives from then on (a holder that loses
+    # copies; no failure: the run goes on unprotected)
+    FaultKind("drop", rank_only=True, what="the rank's held copies are rejected"),
+    # the rank starts a foreign mirror client (the listeners must refuse it)
+    FaultKind("impostor", rank_only=True, what="a client without the secret knocks"),
+)}
+SIGNALS = {k.name: k.signal for k in KINDS.values() if k.signal}
+PHASES = tuple(p.value for p in FAULT_PHASES)
 TARGETS = ("node", "rank")
-FORM = ("kill|stop|term|segv|raise|drop|impostor:node=N|rank=N@iter=N[,phase=forward_backward|"
-        "optimizer|mirror|rendezvous|rebuild_groups|restore_state|save|eval] or ...@t=SECONDS "
+FORM = (f"{'|'.join(KINDS)}:node=N|rank=N@iter=N[,phase={'|'.join(PHASES)}] or ...@t=SECONDS "
         "(unstaged, from outside)")
 
 
 class InjectedLocalError(RuntimeError):
     """What a ``raise`` fault throws inside the rank's step (not a communication failure)."""
-
-
-class Phase:
-    """Fault points (strings: they travel in the schedule's JSON)."""
-
-    FORWARD_BACKWARD, OPTIMIZER, MIRROR = "forward_backward", "optimizer", "mirror"
-    RENDEZVOUS, REBUILD_GROUPS, RESTORE_STATE = "rendezvous", "rebuild_groups", "restore_state"
-    SAVE = "save"  # entering the save section after iteration N (``Deadpool.section``)
-    EVAL = "eval"  # entering the evaluation section after iteration N (the same)
 
 
 def _is_int(v) -> bool:
@@ -81,7 +95,7 @@ class Fault:
     iteration: int
     node: Optional[int] = None
     rank: Optional[int] = None
-    phase: str = "forward_backward"
+    phase: Phase = Phase.FORWARD_BACKWARD
     index: int = 0
     at_s: Optional[float] = None  # unstaged: seconds after training began, not a fault point
 
@@ -91,14 +105,15 @@ class Fault:
         if self.phase not in PHASES:
             raise ConfigError(f"fault phase must be one of {', '.join(PHASES)}, "
                               f"got {self.phase!r}")
+        object.__setattr__(self, "phase", Phase(self.phase))  # JSON gives the value
         if (self.node is None) == (self.rank is None):
             raise ConfigError(f"a fault targets exactly one of node or rank, got "
                               f"node={self.node!r} rank={self.rank!r}")
-        if self.kind in ("drop", "impostor") and self.node is not None:
+        if KINDS[self.kind].rank_only and self.node is not None:
             raise ConfigError(f"a '{self.kind}' fault targets one rank "
                               f"({self.kind}:rank=N@iter=N)")
         if self.at_s is not None:
-            if self.kind in ("raise", "drop", "impostor"):
+            if KINDS[self.kind].signal is None:
                 raise ConfigError(f"a '{self.kind}' fault runs inside the rank: it needs @iter=N")
             if not isinstance(self.at_s, (int, float)) or self.at_s < 0:
                 raise ConfigError(f"fault time must be >= 0 seconds, got {self.at_s!r}")
@@ -118,7 +133,7 @@ class Fault:
         target = f"node={self.node}" if self.node is not None else f"rank={self.rank}"
         if self.at_s is not None:
             return f"{self.kind}:{target}@t={self.at_s:g}"
-        phase = "" if self.phase == "forward_backward" else f",phase={self.phase}"
+        phase = "" if self.phase is Phase.FORWARD_BACKWARD else f",phase={self.phase.value}"
         return f"{self.kind}:{target}@iter={self.iteration}{phase}"
 
 
@@ -217,20 +232,23 @@ def validate_schedule(faults: Sequence[Fault], total_nodes: int, world_size: int
             raise ConfigError(f"{where}: iteration {f.iteration} is outside 1..{train_iters}")
 
 
+Action = Callable[["Fault", int], None]  # (the fault, the iteration it fires at)
+
+
 class FaultPoints:
     """The worker side of a schedule. ``claim(index)`` returns True for exactly one caller in
     the whole job (a store counter), so a fault fires once even when a replacement re-runs
-    the iteration; ``report(fault, iteration, phase)`` tells the launcher before the signal."""
+    the iteration; ``report(fault, iteration, phase)`` tells the launcher before it acts.
+    ``actions``: what each kind without a signal does in this worker, by kind name."""
 
     def __init__(self, faults: Sequence[Fault], rank: Callable[[], int], node: int,
                  claim: Callable[[int], bool], report: Callable[[Fault, int, str], None],
                  kill: Callable[[int], None] = lambda sig: os.kill(os.getpid(), sig),
-                 drop: Callable[[int], None] = lambda iteration: None,
-                 impostor: Callable[[], None] = lambda: None):
+                 actions: Optional[Dict[str, Action]] = None):
         self.faults = [f for f in faults if f.at_s is None]
         self.rank, self.node = rank, node
-        self.claim, self.report, self.kill, self.drop = claim, report, kill, drop
-        self.impostor = impostor
+        self.claim, self.report, self.kill = claim, report, kill
+        self.actions: Dict[str, Action] = {"raise": self._raise_local, **(actions or {})}
 
     def due(self, iteration: int, phase: str) -> List[Fault]:
         return [f for f in self.faults if f.iteration == iteration and f.phase == phase
@@ -238,21 +256,25 @@ class FaultPoints:
 
     def __call__(self, iteration: int, phase: str) -> None:
         for f in self.due(iteration, phase):
-            if f.kind == "raise":
-                raise InjectedLocalError(
-                    f"injected local error on rank {self.rank()} at iteration {iteration}")
-            if not self.claim(f.index):
-                continue
-            self.report(f, iteration, phase)
-            if f.kind == "drop":
-                self.drop(iteration)
-                continue
-            if f.kind == "impostor":
-                self.impostor()
-                continue
-            sig = getattr(_signal, SIGNALS[f.kind])
-            if phase == Phase.OPTIMIZER:  # land inside the real step, not before it
-                delay = random.Random(f.index).uniform(0.0, 0.001)
-                threading.Timer(delay, self.kill, args=(sig,)).start()
+            kind = KINDS[f.kind]
+            if kind.claimed:
+                if not self.claim(f.index):
+                    continue
+                self.report(f, iteration, phase)
+            if kind.signal is not None:
+                self._signal(f, getattr(_signal, kind.signal), phase)
+            elif f.kind in self.actions:
+                self.actions[f.kind](f, iteration)
             else:
-                self.kill(sig)
+                raise ConfigError(f"fault kind {f.kind!r} has no action in this worker")
+
+    def _signal(self, f: Fault, sig: int, phase: str) -> None:
+        if phase == Phase.OPTIMIZER:  # land inside the real step, not before it
+            delay = random.Random(f.index).uniform(0.0, 0.001)
+            threading.Timer(delay, self.kill, args=(sig,)).start()
+        else:
+            self.kill(sig)
+
+    def _raise_local(self, f: Fault, iteration: int) -> None:
+        raise InjectedLocalError(
+            f"injected local error on rank {self.rank()} at iteration {iteration}")

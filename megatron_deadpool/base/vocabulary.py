@@ -1,0 +1,56 @@
+"""The words every layer shares: one ``Phase`` enum (fault points and recovery phases) and
+one ``Event`` enum (the ``--deadpool-events`` JSON lines: written by the runtime, the world,
+the alarms and the decider, read by ``deadpool report``). Both are ``str`` enums: they travel
+in JSON as their values."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Phase(str, enum.Enum):
+    """Where in an iteration, or in a recovery, something happens.
+
+    iteration:  forward_backward ─► optimizer ─► mirror   (then save / eval sections)
+    recovery:   detect ─► abort ─► rendezvous ─► rebuild_groups ─► restore_state ─► first_step
+    (``detect`` is the decider's: the failure until the plan; a promoted spare has no abort)
+    """
+
+    FORWARD_BACKWARD = "forward_backward"
+    OPTIMIZER = "optimizer"
+    MIRROR = "mirror"
+    SAVE = "save"  # entering the save section after iteration N
+    EVAL = "eval"  # entering the evaluation section after iteration N
+    DETECT = "detect"
+    ABORT = "abort"
+    RENDEZVOUS = "rendezvous"
+    REBUILD_GROUPS = "rebuild_groups"
+    RESTORE_STATE = "restore_state"
+    FIRST_STEP = "first_step"
+
+
+# the phases a recovery is timed in, in order (summary ``phases_s``)
+RECOVERY_PHASES = (Phase.DETECT, Phase.ABORT, Phase.RENDEZVOUS, Phase.REBUILD_GROUPS,
+                   Phase.RESTORE_STATE, Phase.FIRST_STEP)
+PHASE_ORDER = tuple(p.value for p in RECOVERY_PHASES)
+# where a scheduled fault may strike (``--inject ...,phase=P``)
+FAULT_PHASES = (Phase.FORWARD_BACKWARD, Phase.OPTIMIZER, Phase.MIRROR, Phase.RENDEZVOUS,
+                Phase.REBUILD_GROUPS, Phase.RESTORE_STATE, Phase.SAVE, Phase.EVAL)
+SECTION_PHASES = (Phase.SAVE, Phase.EVAL)  # fired on entering a section (api.section)
+
+
+class Event(str, enum.Enum):
+    """One line of the events file: ``{"ts", "event", ...fields}``."""
+
+    STEP = "step"                        # rank, iteration: a completed iteration
+    PHASE = "phase"                      # phase, duration_s, generation, rank
+    ABORT = "abort"                      # generation, rank, reason: communicators aborted
+    PROMOTED = "promoted"                # lid, rank, generation: a spare took a rank
+    RESTORED = "restored"                # generation, rank, iteration
+    RESUMED = "resumed"                  # rank, iteration, dir (--deadpool-resume)
+    AUDIT = "audit"                      # generation, rank, ...: the rebind audit
+    FALLBACK_SAVE = "fallback_save"      # rank, dir, copies
+    COPY_REJECTED = "mirror_copy_rejected"  # rank, owner, iteration, why
+    UNPROTECTED = "unprotected"          # rank, iteration, committed
+    LOCAL_RESTART = "local_restart"      # rank, node, exit_code (decider)
+    SPARE_WAIT = "spare_wait"            # generation, ... (decider)

@@ -1,0 +1,2 @@
+"""Control: one worker's runtime (``runtime.py``) and what it protects (``protected.py``),
+sequencing the mechanisms below them. Used only through ``api.py``."""

@@ -1,0 +1,318 @@
+"""The enabled DeadPool runtime of one worker process (used through ``api.Deadpool``): a
+sequencer over membership (``membership/member.py``), the communicators (``world.py``) and
+what it protects (``protected.py``). It holds the worker's one state, ``base/state.py``'s
+frozen ``RankState`` (role, mode, rank, generation, iteration), and replaces it at each
+transition.
+
+    recovery = abort ─► rendezvous ─► rebuild_groups ─► restore_state ─► (timed) first step,
+               the steps in recovery.py, each taking and returning the Attempt; a failure
+               inside one starts the next on a newer generation (MAX_ATTEMPTS, waits bounded
+               by the rendezvous timeout). A member that does not take a newer plan dumps its
+               stacks (stall.py).
+    a promoted spare (Role.PROMOTED) walks rendezvous ─► rebuild_groups ─► restore_state
+               in join / initialize_model_parallel / attach, with no abort.
+A failure is a membership fact, not an exception type (``_membership_changed``). """
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from typing import Iterator, List, Optional
+
+from ..base.config import DeadpoolConfig
+from ..base.errors import DeadpoolError, JobStopped, NoCommittedStateError
+from ..base.state import RankState, Role, WorkerState
+from ..base.vocabulary import SECTION_PHASES, Event, Phase
+from ..base.worker_env import WorkerEnv
+from ..membership.member import Member
+from ..membership.plan import Plan
+from ..membership.store import EventKind
+from ..recovery.classify import failed_again, is_comm_failure, is_peer_failure
+from ..recovery.fault_points import worker_fault_points
+from ..recovery.formation import form_world, rank_in
+from ..recovery.phases import Attempt, EventSink, PhaseTimer
+from ..recovery.stall import StallWatch
+from ..recovery.world import World
+from .protected import Protected
+from .recovery import RecoverySteps
+
+log = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 8  # recovery attempts per failure (each on a newer generation)
+NEW_GEN_POLL_S = 0.02
+
+
+class Runtime:
+    def __init__(self, config: DeadpoolConfig, env: WorkerEnv, member: Member, world: World,
+                 protected: Protected, sink: EventSink, with_cuda: bool = False):
+        self.config, self.env, self.with_cuda = config, env, with_cuda
+        self.member, self.world, self.att, self.sink = member, world, protected, sink
+        self.state = RankState(lid=env.lid, node=env.node, role=env.role,
+                               rank=env.rank, world_size=env.world_size)
+        self.faults = worker_fault_points(env, member, lambda: self.state.rank, protected)
+        world.on_abort = protected.abort_transport  # the mirror's sockets (abort.py)
+        self.plan: Optional[Plan] = None
+        self.recoveries: List[dict] = []
+        self._first_step: Optional[tuple] = None
+        self._spare_timer: Optional[PhaseTimer] = None  # a promoted spare's own phases
+        self._closed = False
+        self.stall = StallWatch(config.take_plan_timeout_s * 0.75)  # before the decider fences
+        self.steps = RecoverySteps(config, member, world, protected, sink, self.faults,
+                                   lambda: self.state.rank, lambda: self.plan, self._adopt)
+
+    @property
+    def promoted(self) -> bool:
+        return self.state.role is Role.PROMOTED
+
+    @property
+    def restored_meta(self) -> Optional[dict]:
+        return self.att.restored_meta
+
+    # ================================================================ membership
+    def join(self) -> None:
+        self.member.admit(self._status, self._on_generation, self._on_stop)
+        spare = self.state.role is Role.SPARE
+        plan = self._standby() if spare else self.member.initial_plan()
+        self._form_world(plan, with_groups=False)
+        if self.promoted:  # a spare's world formed (maybe on a newer generation than its plan)
+            self._spare_timer.start(Phase.REBUILD_GROUPS, generation=self.plan.gen)
+
+    def _standby(self) -> Plan:
+        log.info("standby spare on node %s: waiting for an assignment", self.env.node)
+        try:
+            plan = self.member.wait_for_plan(min_gen=1, timeout_s=None)
+        except JobStopped as exc:
+            log.info("spare released: %s", exc)
+            self.close(destroy=False)
+            raise SystemExit(0) from None
+        rank = plan.rank(self.env.lid)
+        self.state = self.state.promote(rank, plan.world_size, plan.gen)
+        self._spare_timer = PhaseTimer(self.sink, plan.gen, rank)
+        self._spare_timer.start(Phase.RENDEZVOUS)  # until its world forms (join)
+        self.sink.emit(Event.PROMOTED, lid=self.env.lid, rank=rank, generation=plan.gen)
+        return plan
+
+    def _status(self) -> dict:
+        return {"iteration": self.state.iteration, "state": self.state.mode,
+                "committed": self.att.committed(), "gen": self.member.taken_gen}
+
+    def _on_generation(self, gen: int) -> None:
+        self.world.abort(f"generation {gen} published", self.state.rank, newer_than=gen)
+        self.stall.observe(gen, self.plan.gen if self.plan is not None else None)
+
+    def _on_stop(self, reason: str) -> None:
+        if self.state.mode not in (WorkerState.DONE, WorkerState.STANDBY):
+            self.world.abort("job stopped: " + reason, self.state.rank)
+
+    def _adopt(self, plan: Plan) -> int:
+        """This process's rank in ``plan`` (StaleGenerationError if it is not a member); the
+        environment that Megatron reads follows it."""
+        rank = rank_in(plan, self.env.lid)
+        self.state = self.state.adopt(rank, plan.world_size, plan.gen)
+        self.plan = plan
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(plan.world_size)
+        return rank
+
+    def _form_world(self, plan: Plan, with_groups: bool) -> None:
+        self.plan = form_world(plan, self._adopt, self.member, self.world,
+                               self.config.rendezvous_timeout_s, with_groups)
+
+    def _wait_for_plan(self, cause: BaseException) -> Plan:
+        return self.member.wait_for_plan(self.plan.gen + 1, self.config.rendezvous_timeout_s, cause)
+
+    def initialize_model_parallel(self, kwargs: dict) -> None:
+        """First build of the model-parallel groups (recorded, replayed on every rebuild)."""
+        self.world.mp_kwargs = dict(kwargs)
+        try:
+            self.world.build_groups()
+        except Exception as exc:  # noqa: BLE001 - classified right below
+            if not is_peer_failure(exc, aborted=False):
+                raise
+            self.world.destroy()
+            self._form_world(self._wait_for_plan(exc), with_groups=True)
+        self.world.set_collective_timeouts()
+        self.att.connect(self.plan)  # the mirror's group, with the others
+        if self.promoted:
+            self._spare_timer.start(Phase.RESTORE_STATE)  # its model build and restore
+            self.att.quiet_startup()
+
+    # ================================================================ attach and loop
+    def attach(self, model, optimizer, scheduler, train_state) -> None:
+        self.att.attach(model, optimizer, scheduler, train_state, self.state.rank,
+                        self.state.world_size, self.with_cuda, self.plan,
+                        fault_points=self.faults)
+        self.state = self.state.enter(WorkerState.ACTIVE)
+        if self.config.resume_dir and not self.promoted:
+            it = self.att.resume(self.config.resume_dir, self.state.world_size)
+            self.state = self.state.at(it)
+            self.sink.emit(Event.RESUMED, rank=self.state.rank, iteration=it,
+                           dir=self.config.resume_dir)
+            return
+        if not self.promoted:
+            return
+        attempt = Attempt(cause=DeadpoolError("promoted"), iteration_at_failure=None,
+                          timer=self._spare_timer, plan=self.plan, spare=True)
+        try:
+            self._begin_first_step(self.steps.restore_state(attempt))
+        except Exception as exc:  # noqa: BLE001 - a peer failed while this spare restored
+            if not failed_again(exc, self.world.aborted):
+                raise
+            self._recover_until_done(exc, iteration_at_failure=None)
+
+    def protect_groups_of(self, holders) -> None:
+        self.att.protect_groups_of(holders)
+
+    def before_step(self, iteration: int) -> None:
+        self.state = self.state.first_step()  # a promoted spare's solitary startup is over
+        self.world.bound_gloo_deadlines()
+        self.att.before_step(iteration)
+        self.faults(iteration + 1, Phase.FORWARD_BACKWARD)
+
+    def step_done(self, iteration: int) -> Optional[dict]:
+        """After iteration ``iteration``: its snapshot begins; the report of a recovery
+        that this step completed, or None."""
+        self.member.step_done()
+        self.state = self.state.at(iteration)
+        self.att.after_step(iteration, mirror_on=self.env.mirror_on(iteration))
+        report = self._report_recovery()
+        self.sink.emit(Event.STEP, rank=self.state.rank, iteration=iteration)  # for report
+        return report
+
+    def progress(self, iteration: int) -> dict:
+        """The mirror's part of ``iteration``'s progress line, and the generation."""
+        return {**self.att.progress(iteration), "generation": self.state.generation}
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """``api.Deadpool.section``: the decider judges this rank by the section's timeout;
+        a scheduled fault of a section phase (save, eval) strikes on entering it."""
+        self.member.enter_section(name)
+        try:
+            it = self.state.iteration
+            if name in SECTION_PHASES and self.faults.due(it, name):
+                self.member.wait_beat_of_section()  # the decider knows the section first
+                self.faults(it, name)
+            yield
+        finally:
+            self.member.leave_section()
+
+    def _report_recovery(self) -> Optional[dict]:
+        """Once the first step after a restore is done (or the job ends before one: a
+        restore to the last iteration), the recovery's report goes out."""
+        if self._first_step is None:
+            return None
+        (timer, report), self._first_step = self._first_step, None
+        timer.stop()  # the first step
+        report.update(phases_s=timer.durations, t_done=time.time())  # wall clock
+        self.member.report_recovery(self.plan.gen, self.state.rank, report)
+        self.recoveries.append(report)
+        return report
+
+    # ================================================================ recovery
+    def recover(self, exc: BaseException) -> None:
+        """The recovery boundary. Returns with every rank restored to the same committed
+        iteration on a rebuilt world; re-raises ``exc`` if no membership change backs it."""
+        if self.state.mode != WorkerState.ACTIVE:
+            raise exc
+        try:
+            if not self._membership_changed(exc):
+                raise exc
+            first = str(exc).splitlines()[0][:160] if str(exc) else ""
+            log.info("failure seen at iteration %s: %s: %s", self.state.iteration,
+                     type(exc).__name__, first)
+            self._recover_until_done(exc, self.state.iteration)
+        except (JobStopped, NoCommittedStateError):
+            self._save_fallback()
+            raise
+
+    def _save_fallback(self) -> None:
+        """With ``--deadpool-fallback-save``: write the copies this process holds, then stop."""
+        if not self.config.fallback_save_dir:
+            return
+        self.world.abort("the job stops: fallback save", self.state.rank)
+        saved = self.att.save_fallback(self.config.heartbeat_timeout_s)
+        self.sink.emit(Event.FALLBACK_SAVE, rank=self.state.rank,
+                       dir=self.config.fallback_save_dir,
+                       copies=[{"rank": r, "iteration": it, "bytes": b} for r, it, b in saved])
+
+    def _membership_changed(self, exc: BaseException) -> bool:
+        """Aborted: a newer generation exists. A communication error: wait for the decider
+        to declare a member dead, as long as it may need to see a lost node (heartbeat
+        timeout plus two polls and a second). Anything else is local: False at once."""
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            return False
+        if self.world.aborted:
+            return True
+        if not is_comm_failure(exc):
+            return False
+        cfg = self.config
+        deadline = time.monotonic() + cfg.heartbeat_timeout_s + 2 * cfg.heartbeat_interval_s + 1
+        while time.monotonic() < deadline:
+            self.member.raise_if_stopped()
+            if self.member.membership_moved(self.plan.gen):
+                return True
+            time.sleep(NEW_GEN_POLL_S)
+        return False
+
+    def _recover_until_done(self, exc: BaseException, iteration_at_failure: Optional[int]
+                            ) -> None:
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            a = Attempt(cause=exc, iteration_at_failure=iteration_at_failure,
+                        timer=PhaseTimer(self.sink, self.plan.gen + 1, self.state.rank),
+                        spare=self.promoted)
+            try:
+                self.state = self.state.enter(WorkerState.RECOVERING)
+                self._begin_first_step(self.steps.run(a))
+                self.state = self.state.enter(WorkerState.ACTIVE)
+                return
+            except Exception as again:  # noqa: BLE001 - classified right below
+                if not failed_again(again, self.world.aborted):
+                    raise
+                self.member.raise_if_stopped()
+                log.info("failure during recovery attempt %s (%s: %.200s); starting over on "
+                         "the next generation", attempt, type(again).__name__, again)
+                exc = again
+        raise DeadpoolError(f"recovery did not succeed in {MAX_ATTEMPTS} attempts; last "
+                            f"failure: {type(exc).__name__}: {exc}")
+
+    def _begin_first_step(self, a: Attempt) -> None:
+        self.state = self.state.at(a.restored)
+        report = {"generation": self.plan.gen, "rank": self.state.rank, "lid": self.env.lid,
+                  "spare": a.spare, "restored_iter": a.restored,
+                  "iteration_at_failure": a.iteration_at_failure,
+                  "failed_ranks": list(self.plan.failed_ranks)}
+        log.info("generation %s: restored iteration %s", self.plan.gen, a.restored)
+        self.sink.emit(Event.RESTORED, generation=self.plan.gen, rank=self.state.rank,
+                       iteration=a.restored)
+        a.phase(Phase.FIRST_STEP)
+        self._first_step = (a.timer, report)
+
+    # ================================================================ end
+    def finish(self) -> dict:
+        self._report_recovery()
+        info = self.att.finish_info()
+        self.state = self.state.enter(WorkerState.DONE)
+        self.member.push_event(EventKind.DONE, rank=self.state.rank)
+        self.close(destroy=False)
+        return {"recoveries": self.recoveries, "generation": self.plan.gen, **info}
+
+    def report_fatal(self, exc: BaseException) -> None:
+        """This process stops on an error that recovery cannot or must not handle: tell the
+        decider, which stops the job with this reason instead of spending a spare."""
+        if self.state.mode == WorkerState.DONE or self._closed or isinstance(exc, JobStopped):
+            return
+        attached = (self.state.mode != WorkerState.STANDBY
+                    or is_peer_failure(exc, self.world.aborted))
+        self.member.report_fatal(self.state.rank, exc, attached)
+
+    def close(self, destroy: bool = True) -> None:
+        """Stop the threads and free every communicator (``destroy``: an error exit; abort a
+        snapshot job blocked on a dead peer first): live ones end in std::terminate at exit."""
+        if self._closed:
+            return
+        self._closed = True
+        self.member.close()
+        self.att.close(abort=destroy and (lambda: self.world.abort("exit", self.state.rank)))
+        self.world.destroy() if destroy else self.world.forget()
