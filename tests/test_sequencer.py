@@ -129,8 +129,8 @@ class FakeProtected:
         self._restore = restore
         self.restored_meta = None
 
-    def committed(self):
-        return -1
+    def status(self):
+        return {"committed": -1, "compute_s": None}
 
     def abort_transport(self):
         pass

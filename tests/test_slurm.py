@@ -170,3 +170,35 @@ def test_node_loss_hot_swaps_before_slurm_marks_it_down(cluster, tmp_path, refer
              "deadpool_detect_s": rec["phases_s"]["detect"], "recovery_s": rec["total_s"],
              "job_state_after_down": after_down, "training_ended_s": round(ended_s, 3), "bitwise_equal": equal,
              "job_state": "COMPLETED", "test_s": round(time.monotonic() - t0, 1)})
+
+
+def test_a_slurm_drain_swaps_the_node_before_it_fails(cluster, tmp_path, reference):
+    """``scontrol update nodename=X state=drain``: the node's agent sees DRAIN within a few
+    seconds and asks for a planned swap; its rank moves to the spare node at an iteration
+    boundary, nothing is redone, and the job ends COMPLETED and bitwise."""
+    t0 = time.monotonic()
+    job, out = _submit(cluster, tmp_path)
+    node = _wait_mid_run(cluster, job, out)
+    t_drain = time.time()
+    cluster.run("scontrol", "update", f"nodename={node}", "state=drain",
+                "reason=deadpool-test-maintenance")
+    try:
+        info = cluster.wait_job(job, timeout=600)
+    finally:
+        cluster.run("scontrol", "update", f"nodename={node}", "state=resume", check=False)
+    log = (tmp_path / "job.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info.get("ExitCode") == "0:0", \
+        f"{info}\n{log[-6000:]}"
+    s = json.loads((out / "summary.json").read_text())
+    flags = (out / "trainer_flags.txt").read_text().split() + ["--device", "cpu"]
+    ref = reference(flags, nodes=4, ppn=1)
+    (d,) = s["drains"]
+    assert (d["reason"], d["ranks_moved"], d["iterations_redone"]) == ("slurm", [1], 0), d
+    assert d["spare_of_rank"] == {"1": 4} and "deadpool-test-maintenance" in d["text"]
+    assert s["recoveries"] == [] and s["completed_iters"] == TRAIN_ITERS
+    assert (s["final_state_sha256"], s["losses"]) == (ref["final_state_sha256"], ref["losses"])
+    _report({"test": "slurm_drain", "job": job, "node": node,
+             "request_to_plan_s": d["request_to_plan_s"], "drain_wall_s": d["wall_s"],
+             "first_step_after_drain_s": round(d["wall_s"] or 0, 3),
+             "scontrol_to_summary_t": round(time.time() - t_drain, 1), "bitwise_equal": True,
+             "job_state": "COMPLETED", "test_s": round(time.monotonic() - t0, 1)})

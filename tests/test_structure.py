@@ -17,7 +17,7 @@ LAYERS = [
                               "worker_env", "planning", "scaling"]}),
     ("mechanisms", {
         "membership": ["auth", "assign", "plan", "procs", "local_restart", "startup", "store",
-                       "decider", "member"],
+                       "drain", "straggler", "decider", "member"],
         "mirror": ["placement", "snapshot", "transport", "socket_transport", "handshake",
                    "metadata", "impostor", "threads", "d2h", "cost", "meter", "flat", "commit",
                    "held", "jobs", "mirror", "persist"],
@@ -26,14 +26,14 @@ LAYERS = [
                      "evaluation"],
         "recovery": ["phases", "classify", "abort", "quiet", "reaper", "rebind", "restore",
                      "shared_groups", "stall", "world", "fault_points", "formation", "alarms",
-                     "fallback"]}),
+                     "fallback", "boundary"]}),
     ("control", {"control": ["protected", "recovery", "runtime"]}),
     ("api", {"": ["api"]}),
     ("callers of the api", {"trainer": ["args", "data", "gpt"], "megatron": ["lm", "tree"]}),
     ("launch", {"launch": ["agent", "options", "fault_driver", "summary", "launcher", "child",
-                           "progress"]}),
+                           "progress", "slurm_drain"]}),
     ("applications", {"apps": ["demo", "soak", "bench", "bench_recovery", "report", "sim",
-                               "sim_plot", "cli"]}),
+                               "sim_plot", "drain", "cli"]}),
 ]
 FOLDER_LAYER = {folder: i for i, (_, folders) in enumerate(LAYERS) for folder in folders}
 LAYER_OF = {(f"{folder}.{m}" if folder else m): i for i, (_, folders) in enumerate(LAYERS)

@@ -99,3 +99,40 @@ def plot(cfg: sim.SimConfig, measured_path, path: str) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def add_arguments(sp) -> None:
+    """``deadpool sim``'s options (defaults from ``SimConfig``)."""
+    from .sim import SimConfig as C
+
+    d = C()
+    flt = (("--node-mtbf-hours", None, "default: Llama 3 per-GPU MTBF / GPUs per node"),
+           ("--target-probability", d.target_probability, "of never running out of spares"),
+           ("--job-hours", d.job_hours, "job length (the spare window)"),
+           ("--repair-hours", None, "window instead of the job length: failed nodes "
+                                    "return after this long"),
+           ("--link-gbps", d.link_gbps, "inter-node bandwidth per GPU, Gb/s"),
+           ("--checkpoint-interval-min", None, "baselines' interval (default: Young's "
+                                               "optimum sqrt(2 x write x MTBF) per scale)"),
+           ("--checkpoint-write-s", d.checkpoint_write_s, "blocking checkpoint write"),
+           ("--checkpoint-load-s", d.checkpoint_load_s, "checkpoint reload (in-process)"),
+           ("--restart-cost-s", d.restart_cost_s, "requeue + init + checkpoint load"),
+           ("--inprocess-restart-s", d.inprocess_restart_s, "in-process restart itself"),
+           ("--iteration-s", d.iteration_s, "one training iteration"),
+           ("--mirror-overhead", d.mirror_overhead, "hot swap steady step-time fraction"),
+           ("--measured-link-gbps", d.measured_link_gbps, "the measured runs' transport"))
+    sp.add_argument("--gpus", type=int, nargs="+", default=list(d.gpus))
+    sp.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
+    sp.add_argument("--model-params", type=float, default=None,
+                    help=f"parameters (default {d.model_params:g}, or the preset's)")
+    sp.add_argument("--preset", default=None, help="take the model size from a preset")
+    sp.add_argument("--tp", type=int, default=d.tp)
+    sp.add_argument("--pp", type=int, default=d.pp)
+    sp.add_argument("--spare-nodes", type=int, default=None,
+                    help="report P(never running out) with this many spare nodes")
+    for flag, default, what in flt:
+        sp.add_argument(flag, type=float, default=default, help=f"{what} (default {default})")
+    sp.add_argument("--measured", default=None, metavar="R.json",
+                    help="bench recovery --json output (default docs/data/bench_recovery.json)")
+    sp.add_argument("--json", default=None, metavar="FILE")
+    sp.add_argument("--plot", default=None, metavar="F.png")

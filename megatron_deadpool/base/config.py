@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Tuple
 
 from .errors import ConfigError
 from .sections import SECTION_TIMEOUTS_S, Section, checked_timeouts, parse_section_timeouts
@@ -38,6 +38,9 @@ class DeadpoolConfig:
     fallback_every: int = 0
     resume_dir: Optional[str] = None
     mirror_transport: str = "socket"
+    # --deadpool-straggler-swap FACTOR:WINDOW: a node whose ranks' compute time per
+    # iteration stays above FACTOR x the median for WINDOW iterations is drained
+    straggler_swap: Optional[Tuple[float, int]] = None
     # startup/save/eval/data -> seconds (STEP's is progress_timeout_s); defaults filled in
     section_timeouts_s: Mapping[str, float] = field(default_factory=dict)
 
@@ -80,6 +83,10 @@ class DeadpoolConfig:
         if self.mirror_transport not in MIRROR_TRANSPORTS:
             raise ConfigError(f"--deadpool-mirror-transport must be one of {MIRROR_TRANSPORTS}, "
                               f"got {self.mirror_transport!r}")
+        if self.straggler_swap is not None and not (
+                self.straggler_swap[0] > 1 and self.straggler_swap[1] >= 1):
+            raise ConfigError("--deadpool-straggler-swap FACTOR:WINDOW needs FACTOR > 1 and "
+                              f"WINDOW >= 1, got {self.straggler_swap}")
         if self.audit not in AUDIT_MODES:
             raise ConfigError(f"--deadpool-audit must be one of {AUDIT_MODES}, got {self.audit!r}")
         object.__setattr__(self, "section_timeouts_s", checked_timeouts(
@@ -105,6 +112,7 @@ class DeadpoolConfig:
             fallback_every=getattr(args, "deadpool_fallback_every", 0),
             resume_dir=getattr(args, "deadpool_resume", None),
             mirror_transport=getattr(args, "deadpool_mirror_transport", "socket"),
+            straggler_swap=parse_straggler_swap(getattr(args, "deadpool_straggler_swap", None)),
             section_timeouts_s=parse_section_timeouts(
                 getattr(args, "deadpool_section_timeouts", None) or ""),
         )
@@ -148,7 +156,8 @@ class DeadpoolConfig:
                              local_restart_wait_s=self.rendezvous_timeout_s / 2,
                              take_plan_timeout_s=self.take_plan_timeout_s,
                              spare_wait_s=(self.spare_wait_timeout_s
-                                           if self.on_no_spare == "wait" else 0.0))
+                                           if self.on_no_spare == "wait" else 0.0),
+                             straggler_swap=self.straggler_swap)
 
 
 @dataclass(frozen=True)
@@ -175,6 +184,7 @@ class DeciderConfig:
     # A member of the newest generation that has not taken its plan this long after it was
     # published is hung (e.g. blocked where the abort did not reach): it is fenced.
     take_plan_timeout_s: float = 30.0
+    straggler_swap: Optional[Tuple[float, int]] = None  # (FACTOR, WINDOW): straggler.py
     # startup/save/eval/data -> seconds; STEP's timeout is progress_timeout_s
     section_timeouts_s: Mapping[str, float] = field(
         default_factory=lambda: dict(SECTION_TIMEOUTS_S))
@@ -243,7 +253,23 @@ def add_deadpool_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    default=d.mirror_transport, help="how snapshots reach the buddies: "
                    "'socket', a TCP connection per (rank, buddy) pair, or 'gloo', the mirror's "
                    "gloo group, which runs the collectives either way (default %(default)s)")
+    g.add_argument("--deadpool-straggler-swap", default=None, metavar="FACTOR:WINDOW",
+                   help="drain a node (a planned swap, if a spare exists) whose ranks' compute "
+                   "time per iteration stays above FACTOR x the median for WINDOW iterations "
+                   "(default: off)")
     return parser
+
+
+def parse_straggler_swap(text: Optional[str]) -> Optional[Tuple[float, int]]:
+    """``"2:5"`` -> (2.0, 5); None or empty: off. Raises ConfigError on another form."""
+    if not text:
+        return None
+    factor, colon, window = text.partition(":")
+    try:
+        return float(factor), int(window)
+    except ValueError:
+        raise ConfigError(f"--deadpool-straggler-swap takes FACTOR:WINDOW (e.g. 2:5), got "
+                          f"{text!r}") from None
 
 
 def _add_timing_args(g, d: DeadpoolConfig) -> None:

@@ -10,6 +10,10 @@
                                          then on (no failure: the run goes on unprotected)
     impostor:rank=2@iter=3               rank 2 starts a client without the job secret that
                                          knocks on every mirror listener (mirror/impostor.py)
+    drain:node=2@iter=8                  a drain of node 2 is requested at iteration 8 (the
+                                         path of `deadpool drain`: membership/drain.py)
+    slow:node=2@iter=4,factor=3          node 2's processes compute 3x slower from iteration 4
+                                         (a straggler: --deadpool-straggler-swap)
 
     iteration:  ... | forward_backward | optimizer | mirror | ... next iteration
                           ^ default        ^              ^  (phase= picks the point)
@@ -54,6 +58,7 @@ class FaultKind:
     signal: Optional[str] = None  # e.g. "SIGKILL"; None: an action in the rank
     rank_only: bool = False       # targets one rank (kind:rank=N), never a node
     claimed: bool = True          # fires once in the job (False: on every rank it targets)
+    factor: bool = False          # takes ``factor=F`` (F > 1)
     what: str = ""
 
 
@@ -70,12 +75,16 @@ KINDS: Dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("drop", rank_only=True, what="the rank's held copies are rejected"),
     # the rank starts a foreign mirror client (the listeners must refuse it)
     FaultKind("impostor", rank_only=True, what="a client without the secret knocks"),
+    # a drain of the node is requested (the path of `deadpool drain`: membership/drain.py)
+    FaultKind("drain", what="the node is drained: its ranks move to spares"),
+    # every targeted process computes FACTOR times slower from then on (a straggler)
+    FaultKind("slow", claimed=False, factor=True, what="it computes F times slower"),
 )}
 SIGNALS = {k.name: k.signal for k in KINDS.values() if k.signal}
 PHASES = tuple(p.value for p in FAULT_PHASES)
 TARGETS = ("node", "rank")
-FORM = (f"{'|'.join(KINDS)}:node=N|rank=N@iter=N[,phase={'|'.join(PHASES)}] or ...@t=SECONDS "
-        "(unstaged, from outside)")
+FORM = (f"{'|'.join(KINDS)}:node=N|rank=N@iter=N[,phase={'|'.join(PHASES)}][,factor=F] or "
+        "...@t=SECONDS (unstaged, from outside)")
 
 
 class InjectedLocalError(RuntimeError):
@@ -98,6 +107,7 @@ class Fault:
     phase: Phase = Phase.FORWARD_BACKWARD
     index: int = 0
     at_s: Optional[float] = None  # unstaged: seconds after training began, not a fault point
+    factor: Optional[float] = None  # a kind that takes one (slow): how many times slower
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -117,6 +127,12 @@ class Fault:
                 raise ConfigError(f"a '{self.kind}' fault runs inside the rank: it needs @iter=N")
             if not isinstance(self.at_s, (int, float)) or self.at_s < 0:
                 raise ConfigError(f"fault time must be >= 0 seconds, got {self.at_s!r}")
+        if KINDS[self.kind].factor != (self.factor is not None) or (
+                self.factor is not None and not (isinstance(self.factor, (int, float))
+                                                 and self.factor > 1)):
+            raise ConfigError(f"a '{self.kind}' fault " + (
+                f"needs factor=F with F > 1, got {self.factor!r}" if KINDS[self.kind].factor
+                else "takes no factor="))
         for name in ("iteration", "index", "node", "rank"):
             v = getattr(self, name)
             if v is not None and not _is_int(v):
@@ -134,7 +150,8 @@ class Fault:
         if self.at_s is not None:
             return f"{self.kind}:{target}@t={self.at_s:g}"
         phase = "" if self.phase is Phase.FORWARD_BACKWARD else f",phase={self.phase.value}"
-        return f"{self.kind}:{target}@iter={self.iteration}{phase}"
+        factor = "" if self.factor is None else f",factor={self.factor:g}"
+        return f"{self.kind}:{target}@iter={self.iteration}{phase}{factor}"
 
 
 def _bad(spec: str, what: str) -> ConfigError:
@@ -167,8 +184,9 @@ def parse_fault(spec: str, index: int = 0) -> Fault:
     fields = {}
     for item in tail.split(","):
         key, eq, val = item.partition("=")
-        if not eq or key not in ("iter", "phase", "t"):
-            raise _bad(spec, f"unknown option {item!r} (iter=, phase= and t= are allowed)")
+        if not eq or key not in ("iter", "phase", "t", "factor"):
+            raise _bad(spec, f"unknown option {item!r} (iter=, phase=, t= and factor= are "
+                             "allowed)")
         if key in fields:
             raise _bad(spec, f"{key}= given twice")
         fields[key] = val
@@ -187,8 +205,13 @@ def parse_fault(spec: str, index: int = 0) -> Fault:
     phase = fields.get("phase", "forward_backward")
     if phase not in PHASES:
         raise _bad(spec, f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
+    try:
+        factor = float(fields["factor"]) if "factor" in fields else None
+    except ValueError:
+        raise _bad(spec, f"factor must be a number, got {fields['factor']!r}") from None
     return Fault(kind=kind, iteration=iteration, node=tnum if tkey == "node" else None,
-                 rank=tnum if tkey == "rank" else None, phase=phase, index=index)
+                 rank=tnum if tkey == "rank" else None, phase=phase, index=index,
+                 factor=factor)
 
 
 def parse_schedule(specs: Sequence[str]) -> List[Fault]:

@@ -19,12 +19,18 @@ from typing import Optional
 
 
 class Role(str, enum.Enum):
+    def __str__(self) -> str:  # the value in logs and f-strings
+        return self.value
+
     ACTIVE = "active"
     SPARE = "spare"
     PROMOTED = "promoted"
 
 
 class WorkerState(str, enum.Enum):
+    def __str__(self) -> str:  # the value in logs and f-strings
+        return self.value
+
     STANDBY = "STANDBY"
     ACTIVE = "ACTIVE"
     RECOVERING = "RECOVERING"

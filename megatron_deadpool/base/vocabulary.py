@@ -16,6 +16,9 @@ class Phase(str, enum.Enum):
     (``detect`` is the decider's: the failure until the plan; a promoted spare has no abort)
     """
 
+    def __str__(self) -> str:  # the value in logs and f-strings
+        return self.value
+
     FORWARD_BACKWARD = "forward_backward"
     OPTIMIZER = "optimizer"
     MIRROR = "mirror"
@@ -42,6 +45,9 @@ SECTION_PHASES = (Phase.SAVE, Phase.EVAL)  # fired on entering a section (api.se
 class Event(str, enum.Enum):
     """One line of the events file: ``{"ts", "event", ...fields}``."""
 
+    def __str__(self) -> str:  # the value in logs and f-strings
+        return self.value
+
     STEP = "step"                        # rank, iteration: a completed iteration
     PHASE = "phase"                      # phase, duration_s, generation, rank
     ABORT = "abort"                      # generation, rank, reason: communicators aborted
@@ -54,3 +60,6 @@ class Event(str, enum.Enum):
     UNPROTECTED = "unprotected"          # rank, iteration, committed
     LOCAL_RESTART = "local_restart"      # rank, node, exit_code (decider)
     SPARE_WAIT = "spare_wait"            # generation, ... (decider)
+    DRAIN = "drain"                      # generation, node, reason, ranks (decider)
+    DRAIN_REFUSED = "drain_refused"      # node, reason, why: the job goes on untouched
+    DRAIN_BOUNDARY = "drain_boundary"    # generation, rank, iteration: where it stops

@@ -12,6 +12,7 @@ recovery/fault_points.py.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -19,7 +20,7 @@ from ..adapters import ddp, shard
 from ..adapters import train_state as ts
 from ..adapters.support import check_supported, parallel_layout, step_barrier
 from ..base.errors import DeadpoolError
-from ..base.vocabulary import Phase
+from ..base.vocabulary import Event, Phase
 from ..mirror import meter as meters
 from ..mirror.commit import RejectionBoard
 from ..mirror.mirror import Mirror
@@ -59,7 +60,7 @@ class Protected:
         self.settings, self.meter = settings, meter
         self.fallback = Fallback(settings.fallback_dir, settings.fallback_every,
                                  settings.job_id)
-        self.alarms = Alarms(emit)  # mirror failures are loud (alarms.py)
+        self.alarms, self._emit = Alarms(emit), emit  # mirror failures are loud (alarms.py)
         self.model = self.optimizer = self.scheduler = self.train_state = None
         self.mirror: Optional[Mirror] = None
         self.slots: Optional[GroupSlots] = None
@@ -71,6 +72,7 @@ class Protected:
         self._with_cuda = False
         self._initial_commit_pending = False
         self._suppressor: Optional[CollectiveSuppressor] = None
+        self._slow_s = 0.0  # the 'slow' test fault's extra compute per step
 
     def quiet_startup(self) -> None:
         """A promoted spare builds its model without talking to anyone (see quiet.py)."""
@@ -147,8 +149,11 @@ class Protected:
         """More holders of process groups, rebound like the model's (``rebind.GroupSlots``)."""
         self.slots.add(holders)
 
-    def committed(self) -> int:
-        return self.mirror.committed if self.mirror is not None else -1
+    def status(self) -> dict:
+        """What heartbeats carry of it: the newest committed iteration, and the rank's own
+        compute seconds per iteration (the meter's; the straggler check reads it)."""
+        return {"committed": self.mirror.committed if self.mirror is not None else -1,
+                "compute_s": self.meter.compute_s()}
 
     def progress(self, iteration: int) -> dict:
         """For ``iteration``'s progress line: the meter's lag and wait, and the commit."""
@@ -160,6 +165,10 @@ class Protected:
     def before_step(self, iteration: int) -> None:
         """The first call of a fresh job commits the initial state, so that a failure in the
         very first step rolls back to a committed state too (a restored spare skips it)."""
+        if self._slow_s:  # the 'slow' test fault: this rank computes factor x longer
+            end = time.perf_counter() + self._slow_s
+            while time.perf_counter() < end:
+                pass
         if self._initial_commit_pending:
             self._initial_commit_pending = False
             self.mirror.begin(iteration, dict(self._meta(iteration), initial=True))
@@ -244,13 +253,28 @@ class Protected:
         ts.apply(meta, self.train_state, self.scheduler, self.optimizer)
         self.restored_meta = meta
 
-    def save_fallback(self, quiesce_s: float) -> list:
-        """``--deadpool-fallback-save``: write the copies held here; [(rank, it, bytes)]."""
-        return self.fallback.save(self.mirror, quiesce_s)
+    def settle_snapshot(self) -> None:
+        """A planned swap's boundary: the snapshot in flight is copied, sent to the buddies
+        and verified there (MirrorError if it failed: the swap becomes a failure's)."""
+        with self.meter.on_main():
+            self.mirror.wait()
+
+    def save_fallback(self, quiesce_s: float, rank: int) -> None:
+        """``--deadpool-fallback-save``: write the copies held here (an event names them)."""
+        saved = self.fallback.save(self.mirror, quiesce_s)
+        self._emit(Event.FALLBACK_SAVE, rank=rank, dir=self.settings.fallback_dir,
+                   copies=[{"rank": r, "iteration": it, "bytes": b} for r, it, b in saved])
 
     # ---------------------------------------------------------------- fault actions
     def drop_arrivals(self, iteration: int) -> None:
         self.mirror.drop_arrivals(iteration)
+
+    def slow_down(self, factor: float) -> None:
+        """From now on each step also burns (factor - 1) x this rank's compute per step, as
+        measured so far: a straggler that is alive and makes progress."""
+        base = self.meter.compute_s() or 0.0
+        self._slow_s = (factor - 1) * base
+        log.info("slow fault: each step burns %.3f s more (compute %.3f s)", self._slow_s, base)
 
     def start_impostor(self, start: Callable) -> None:
         start(self.mirror.transport)

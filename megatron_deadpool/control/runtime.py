@@ -1,16 +1,12 @@
-"""The enabled DeadPool runtime of one worker process (used through ``api.Deadpool``): a
-sequencer over membership (``membership/member.py``), the communicators (``world.py``) and
-what it protects (``protected.py``). It holds the worker's one state, ``base/state.py``'s
-frozen ``RankState`` (role, mode, rank, generation, iteration), and replaces it at each
-transition.
+"""One worker's enabled runtime (used through ``api.Deadpool``): a sequencer over
+membership, the communicators (``world.py``) and what it protects (``protected.py``). It
+holds the worker's one frozen ``RankState`` (base/state.py) and replaces it at each change.
 
-    recovery = abort ─► rendezvous ─► rebuild_groups ─► restore_state ─► (timed) first step,
-               the steps in recovery.py, each taking and returning the Attempt; a failure
-               inside one starts the next on a newer generation (MAX_ATTEMPTS, waits bounded
-               by the rendezvous timeout). A member that does not take a newer plan dumps its
-               stacks (stall.py).
-    a promoted spare (Role.PROMOTED) walks rendezvous ─► rebuild_groups ─► restore_state
-               in join / initialize_model_parallel / attach, with no abort.
+    recovery = abort ─► rendezvous ─► rebuild_groups ─► restore_state (recovery.py, each
+               taking and returning the Attempt) ─► timed first step; a failure inside one
+               starts the next on a newer generation (MAX_ATTEMPTS). A promoted spare walks
+               the last three in join / initialize_model_parallel / attach. A drain's plan
+               is applied at an agreed step boundary (recovery/boundary.py), on the same path.
 A failure is a membership fact, not an exception type (``_membership_changed``). """
 
 from __future__ import annotations
@@ -29,6 +25,7 @@ from ..base.worker_env import WorkerEnv
 from ..membership.member import Member
 from ..membership.plan import Plan
 from ..membership.store import EventKind
+from ..recovery.boundary import Action, Boundary, PlannedSwap
 from ..recovery.classify import failed_again, is_comm_failure, is_peer_failure
 from ..recovery.fault_points import worker_fault_points
 from ..recovery.formation import form_world, rank_in
@@ -59,6 +56,7 @@ class Runtime:
         self._spare_timer: Optional[PhaseTimer] = None  # a promoted spare's own phases
         self._closed = False
         self.stall = StallWatch(config.take_plan_timeout_s * 0.75)  # before the decider fences
+        self.boundary = Boundary(member, env.lid)  # planned swaps (membership/drain.py)
         self.steps = RecoverySteps(config, member, world, protected, sink, self.faults,
                                    lambda: self.state.rank, lambda: self.plan, self._adopt)
 
@@ -95,10 +93,12 @@ class Runtime:
         return plan
 
     def _status(self) -> dict:
-        return {"iteration": self.state.iteration, "state": self.state.mode,
-                "committed": self.att.committed(), "gen": self.member.taken_gen}
+        return {"iteration": self.state.iteration, "state": self.state.mode,  # heartbeats
+                "gen": self.member.taken_gen, **self.att.status()}
 
     def _on_generation(self, gen: int) -> None:
+        if self.boundary.planned(gen, self.plan, self.state):
+            return  # a drain: every rank stops at the boundary they agree on
         self.world.abort(f"generation {gen} published", self.state.rank, newer_than=gen)
         self.stall.observe(gen, self.plan.gen if self.plan is not None else None)
 
@@ -107,8 +107,10 @@ class Runtime:
             self.world.abort("job stopped: " + reason, self.state.rank)
 
     def _adopt(self, plan: Plan) -> int:
-        """This process's rank in ``plan`` (StaleGenerationError if it is not a member); the
-        environment that Megatron reads follows it."""
+        """This process's rank in ``plan`` (Megatron reads the environment)."""
+        if plan.rank(self.env.lid) is None and (self.promoted or self.boundary.drained(
+                self.plan, plan)):  # drained, or a spare whose drain a failure undid
+            raise SystemExit(0)
         rank = rank_in(plan, self.env.lid)
         self.state = self.state.adopt(rank, plan.world_size, plan.gen)
         self.plan = plan
@@ -119,9 +121,6 @@ class Runtime:
         self.plan = form_world(plan, self._adopt, self.member, self.world,
                                self.config.rendezvous_timeout_s, with_groups)
 
-    def _wait_for_plan(self, cause: BaseException) -> Plan:
-        return self.member.wait_for_plan(self.plan.gen + 1, self.config.rendezvous_timeout_s, cause)
-
     def initialize_model_parallel(self, kwargs: dict) -> None:
         """First build of the model-parallel groups (recorded, replayed on every rebuild)."""
         self.world.mp_kwargs = dict(kwargs)
@@ -131,7 +130,9 @@ class Runtime:
             if not is_peer_failure(exc, aborted=False):
                 raise
             self.world.destroy()
-            self._form_world(self._wait_for_plan(exc), with_groups=True)
+            nxt = self.member.wait_for_plan(self.plan.gen + 1,
+                                            self.config.rendezvous_timeout_s, exc)
+            self._form_world(nxt, with_groups=True)
         self.world.set_collective_timeouts()
         self.att.connect(self.plan)  # the mirror's group, with the others
         if self.promoted:
@@ -166,13 +167,26 @@ class Runtime:
 
     def before_step(self, iteration: int) -> None:
         self.state = self.state.first_step()  # a promoted spare's solitary startup is over
+        action = self.boundary.check(self.state.rank, self.state.world_size, iteration)
+        if action is not None:
+            self._planned_swap(action, iteration)
         self.world.bound_gloo_deadlines()
         self.att.before_step(iteration)
         self.faults(iteration + 1, Phase.FORWARD_BACKWARD)
 
+    def _planned_swap(self, action: Action, iteration: int) -> None:
+        """At the agreed boundary, once snapshot ``iteration`` is at the buddies: leave (the
+        drained node) or take the recovery path with nothing to redo."""
+        self.att.settle_snapshot()
+        gen = self.boundary.generation
+        self.sink.emit(Event.DRAIN_BOUNDARY, generation=gen, rank=self.state.rank,
+                       iteration=iteration, action=action.value)
+        if action is Action.LEAVE and self.boundary.leaves(self.config.spare_ready_timeout_s):
+            raise SystemExit(0)  # the drained node's processes exit once the swap is done
+        raise PlannedSwap(f"planned swap to generation {gen} at iteration {iteration}")
+
     def step_done(self, iteration: int) -> Optional[dict]:
-        """After iteration ``iteration``: its snapshot begins; the report of a recovery
-        that this step completed, or None."""
+        """After ``iteration``: its snapshot begins; the report of a recovery it completed."""
         self.member.step_done()
         self.state = self.state.at(iteration)
         self.att.after_step(iteration, mirror_on=self.env.mirror_on(iteration))
@@ -188,19 +202,15 @@ class Runtime:
     def section(self, name: str) -> Iterator[None]:
         """``api.Deadpool.section``: the decider judges this rank by the section's timeout;
         a scheduled fault of a section phase (save, eval) strikes on entering it."""
-        self.member.enter_section(name)
-        try:
+        with self.member.section(name):
             it = self.state.iteration
             if name in SECTION_PHASES and self.faults.due(it, name):
                 self.member.wait_beat_of_section()  # the decider knows the section first
                 self.faults(it, name)
             yield
-        finally:
-            self.member.leave_section()
 
     def _report_recovery(self) -> Optional[dict]:
-        """Once the first step after a restore is done (or the job ends before one: a
-        restore to the last iteration), the recovery's report goes out."""
+        """The recovery's report, once its first step is done (or the job ended first)."""
         if self._first_step is None:
             return None
         (timer, report), self._first_step = self._first_step, None
@@ -219,23 +229,15 @@ class Runtime:
         try:
             if not self._membership_changed(exc):
                 raise exc
-            first = str(exc).splitlines()[0][:160] if str(exc) else ""
-            log.info("failure seen at iteration %s: %s: %s", self.state.iteration,
-                     type(exc).__name__, first)
+            log.info("%s at iteration %s: %s: %.160s", "planned swap" if isinstance(
+                exc, PlannedSwap) else "failure seen", self.state.iteration,
+                type(exc).__name__, str(exc).partition("\n")[0])
             self._recover_until_done(exc, self.state.iteration)
         except (JobStopped, NoCommittedStateError):
-            self._save_fallback()
+            if self.config.fallback_save_dir:  # write the copies held here, then stop
+                self.world.abort("the job stops: fallback save", self.state.rank)
+                self.att.save_fallback(self.config.heartbeat_timeout_s, self.state.rank)
             raise
-
-    def _save_fallback(self) -> None:
-        """With ``--deadpool-fallback-save``: write the copies this process holds, then stop."""
-        if not self.config.fallback_save_dir:
-            return
-        self.world.abort("the job stops: fallback save", self.state.rank)
-        saved = self.att.save_fallback(self.config.heartbeat_timeout_s)
-        self.sink.emit(Event.FALLBACK_SAVE, rank=self.state.rank,
-                       dir=self.config.fallback_save_dir,
-                       copies=[{"rank": r, "iteration": it, "bytes": b} for r, it, b in saved])
 
     def _membership_changed(self, exc: BaseException) -> bool:
         """Aborted: a newer generation exists. A communication error: wait for the decider
@@ -243,7 +245,7 @@ class Runtime:
         timeout plus two polls and a second). Anything else is local: False at once."""
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             return False
-        if self.world.aborted:
+        if self.world.aborted or isinstance(exc, PlannedSwap):
             return True
         if not is_comm_failure(exc):
             return False
@@ -266,6 +268,7 @@ class Runtime:
                 self.state = self.state.enter(WorkerState.RECOVERING)
                 self._begin_first_step(self.steps.run(a))
                 self.state = self.state.enter(WorkerState.ACTIVE)
+                self.boundary.done()
                 return
             except Exception as again:  # noqa: BLE001 - classified right below
                 if not failed_again(again, self.world.aborted):
@@ -299,8 +302,7 @@ class Runtime:
         return {"recoveries": self.recoveries, "generation": self.plan.gen, **info}
 
     def report_fatal(self, exc: BaseException) -> None:
-        """This process stops on an error that recovery cannot or must not handle: tell the
-        decider, which stops the job with this reason instead of spending a spare."""
+        """An error recovery must not handle: the decider stops the job with it (no spare)."""
         if self.state.mode == WorkerState.DONE or self._closed or isinstance(exc, JobStopped):
             return
         attached = (self.state.mode != WorkerState.STANDBY

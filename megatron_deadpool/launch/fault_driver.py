@@ -53,7 +53,7 @@ class FaultDriver:
         procs = self.decider.procs.values()
         victims = [p for p in procs if p.state not in (ProcState.DEAD, ProcState.DONE)
                    and (p.node == f.node if f.node is not None else p.rank == f.rank)]
-        if f.node is not None or f.at_s is not None:
+        if (f.node is not None or f.at_s is not None) and f.kind in SIGNALS:
             for node in sorted({p.node for p in victims}):
                 lids = [p.lid for p in victims if p.node == node and p.lid != skip_lid]
                 if lids:

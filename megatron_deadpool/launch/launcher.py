@@ -28,6 +28,7 @@ from ..base.worker_env import WorkerEnv
 from .agent import NodeAgent, WorkerSpec
 from .fault_driver import FaultDriver
 from .options import LaunchOptions, free_port, validate, worker_command, worker_specs
+from .slurm_drain import watch_this_node
 from .summary import build_summary
 
 __all__ = ["LaunchOptions", "run"]
@@ -70,13 +71,19 @@ def run(opts: LaunchOptions, out=sys.stdout) -> dict:
     t0 = time.time()
     say(f"{opts.nodes} node(s) x {opts.procs_per_node} + {opts.spare_nodes if cfg.enabled else 0}"
         f" spare node(s); world size {opts.world_size}; results in {job.env.results_dir}")
+    if cfg.enabled and job.hosts_store:  # for `deadpool drain` (with the job's secret)
+        say(f"coordinator {opts.master_addr}:{job.env.store_port}")
     for a in job.agents:
         a.start()
+    slurm = (watch_this_node(opts.node_rank, job.coord, say)
+             if cfg.enabled and opts.node_rank is not None else None)  # a Slurm DRAIN
     try:
         _supervise(job)
     except KeyboardInterrupt:
         job.failed = "interrupted"
     finally:
+        if slurm is not None:
+            slurm.stop()
         _wind_down(job)
     codes = {lid: code for a in job.agents for lid, code in a.exit_codes.items()}
     summary = build_summary(opts, cfg, job.env.results_dir, job.decider, job.store, codes,

@@ -77,8 +77,10 @@ def build_summary(opts, cfg, results_dir, decider, store, codes, failed, wall_s,
     if decider is not None:
         summary["faults"] = [{k: v for k, v in f.items() if k != "t"} | {"t": round(f["t"], 3)}
                              for f in fault_records]
-        summary["recoveries"] = [_recovery(plan, store, opts.world_size)
-                                 for plan in decider.plans[1:]]
+        later = [(plan, _recovery(plan, store, opts.world_size)) for plan in decider.plans[1:]]
+        summary["recoveries"] = [r for plan, r in later if plan.drain is None]
+        summary["drains"] = [_drain(plan, r) for plan, r in later if plan.drain is not None]
+        summary["drains_refused"] = list(decider.drains.refused)
         summary["local_restarts"] = _local_restarts(decider, summary["recoveries"])
         summary["waited_for_spare_s"] = round(decider.waited_for_spare_s, 3)
         if decider.startup_error is not None:  # "ExcType: message (first raised by rank R)"
@@ -125,6 +127,22 @@ def _local_restarts(decider, recoveries: List[dict]) -> List[dict]:
                     "restored_iter": r.get("restored_iter"), "total_s": r.get("total_s"),
                     "generation": rec["generation"]})
     return out
+
+
+def _drain(plan: Plan, rec: dict) -> dict:
+    """A planned swap (membership/drain.py): the node, why, the ranks moved, what was
+    redone (0: every rank stopped at the boundary it agreed on), the phases, and
+    ``wall_s``: from the request to the slowest rank's first resumed step."""
+    d = plan.drain
+    return {"generation": plan.gen, "node": d["node"], "reason": d["reason"],
+            "text": d.get("text", ""), "to_standby": d.get("to_standby", False),
+            "ranks_moved": list(plan.failed_ranks), "spare_of_rank": rec["spare_of_rank"],
+            "restored_iter": rec["restored_iter"], "iterations_redone": rec["recomputed_iters"],
+            "request_to_plan_s": rec["phases_s"].get("detect"),
+            "phases_s": {k: v for k, v in rec["phases_s"].items() if k != "detect"},
+            "wall_s": rec["wall_s"], "ranks_reported": rec["ranks_reported"],
+            # not applied: the job ended before the boundary, or a failure's plan took over
+            "applied": not rec["superseded"]}
 
 
 def _recovery(plan: Plan, store, world_size: int) -> dict:

@@ -11,6 +11,7 @@ Time comes from an injectable ``clock``, so tests advance it instead of sleeping
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set
@@ -19,8 +20,10 @@ from ..base.config import DeciderConfig
 from ..base.errors import NoSpareError, StopReason
 from ..base.vocabulary import Event
 from . import plan as plans, store as st
+from .drain import DrainQueue, DrainRequest
 from .local_restart import LocalRestarts
-from .procs import AgentClock, Proc, ProcState, Role, excuse_waiters, hung, observe  # noqa: F401
+from .procs import AgentClock, Proc, ProcState, Role, scan
+from .straggler import StragglerWatch
 from .store import CommandOp, EventKind
 
 
@@ -59,6 +62,8 @@ class Decider:
         self.local = LocalRestarts(self.config.max_local_restarts)
         self.waited_for_spare_s = 0.0
         self._plan_t = 0.0  # when the newest plan was published
+        self.drains = DrainQueue(self.coord.answer_drain)  # planned swaps (drain.py)
+        self.stragglers = StragglerWatch(self.config.straggler_swap)  # straggler.py
 
     # ------------------------------------------------------------------ setup
     @property
@@ -103,7 +108,14 @@ class Decider:
         if self.pending_dead and (now - self.first_dead_t >= self.config.grace_s
                                   or self._failed_nodes_complete()):
             self._replan()
-        actives = [p for p in self.procs.values() if p.rank is not None]
+        elif not self.pending_dead and self.coord.generation_done(self.plans[-1]) and \
+                (req := self.drains.take()) is not None:  # a planned swap (drain.py)
+            plan = self.drains.plan(req, self.plans[-1], self._pool(), self._node_of_lid(),
+                                    self.clock(), self.emit, self.log)
+            self._fault_time = None  # a requested drain is no failure to time
+            if plan is not None:  # the leaving keep their ranks until they leave
+                self._take_ranks(plan, ())
+        actives = self.drains.finishing(self.procs, self.plans)
         if actives and all(p.state == ProcState.DONE for p in actives) and not self.pending_dead:
             self.stop(f"{StopReason.COMPLETE.value}: all ranks finished", failed=False)
 
@@ -113,7 +125,8 @@ class Decider:
                    EventKind.FAULT_REQUEST: self._on_fault_request,
                    EventKind.FATAL: self._on_fatal,
                    EventKind.STARTUP_ERROR: self._on_startup_error,
-                   EventKind.SPARE_NODE: self._on_spare_agent}.get(ev["kind"])
+                   EventKind.SPARE_NODE: self._on_spare_agent,
+                   EventKind.DRAIN_REQUEST: self.drains.add_event}.get(ev["kind"])
         if handler is not None:
             handler(ev)
 
@@ -136,7 +149,12 @@ class Decider:
 
     def _on_exit(self, ev: dict) -> None:
         p = self.procs.get(ev["lid"])
-        if p is not None and p.state not in (ProcState.DEAD, ProcState.DONE):
+        plan = self.drains.left(p.lid) if p is not None and ev["code"] == 0 else None
+        if plan is not None:
+            p.state, p.rank = ProcState.DONE, None  # a drained process left, swap done
+            if plan.drain["to_standby"]:  # its slot stays in the job as a standby spare
+                self._spawn_spare(p.node, p.lid)
+        elif p is not None and p.state not in (ProcState.DEAD, ProcState.DONE):
             p.exit_code = ev["code"]
             self.pending_exits.add(p.lid)
             self._declare_dead(p, f"exited with code {ev['code']}", ev["t"])
@@ -151,8 +169,7 @@ class Decider:
         self.on_fault(ev)
 
     def _on_fatal(self, ev: dict) -> None:
-        # A local error (or an unrecoverable state) on one rank: stop the job with it;
-        # spending a spare would only replay the same error.
+        # a local error on one rank stops the job: a spare would only replay it
         reason = f"rank {ev['rank']} (process {ev['lid']}) stopped: {ev['error']}"
         self.log(reason + "\n" + ev.get("traceback", ""))
         self.stop(reason)
@@ -166,31 +183,16 @@ class Decider:
             self.stop(f"{StopReason.STARTUP.value}: {self.startup_error}")
 
     def _poll_heartbeats(self, now: float) -> None:
-        live = [p for p in self.procs.values() if p.state == ProcState.ALIVE]
-        if not live:
-            return
-        beats = self.coord.heartbeats([p.lid for p in live])
-        for p in live:
-            hb = beats.get(p.lid)
-            if hb is not None and not observe(p, hb, now) and p.hb_rejected == 1:
-                self.log(f"ignored a replayed (older) heartbeat of process {p.lid}")
-        self._poll_agents(now)
-        excuse_waiters(live, now, self.config)  # a silent member is judged, not its waiters
-        for p in live:
-            verdict = hung(p, now, self.config, self.gen, self._plan_t)
-            if p.state == ProcState.ALIVE and verdict is not None:
-                self._fence(p, *verdict)
-
-    def _poll_agents(self, now: float) -> None:
-        """A node whose agent heartbeat went stale is lost: all its processes are dead (no
-        fencing possible; they can never rejoin since no plan names them again)."""
-        for node in sorted({p.node for p in self.procs.values()}):
-            val = self.coord.agent_heartbeat(node)
-            since = None if val is None else self.agents.observe(node, val, now)
-            for p in self.procs.values() if since is not None else ():
-                if p.node == node and p.state in (ProcState.ALIVE, ProcState.STARTING):
-                    self._declare_dead(p, f"node {node} lost (agent heartbeat stale for "
-                                          f"{now - since:.1f}s)", since)
+        # a drain's plan is taken at the boundary the ranks agree on, not at once
+        plan_t = now if self.drains.active is not None else self._plan_t
+        for p, why, since, fence in scan(self.coord, self.procs, self.agents, now, self.config,
+                                         self.gen, plan_t, self.log):
+            self._fence(p, why, since) if fence else self._declare_dead(p, why, since)
+        for node in self.stragglers.observe(self.procs):
+            f = self.stragglers.flagged[-1]
+            self.log(f"node {node} straggles: compute {f['compute_s']}s per iteration against "
+                     f"a median of {f['median_s']}s: drain requested")
+            self.drains.add(DrainRequest(node=node, reason="straggler", t=now))
 
     def _fence(self, p: Proc, why: str, since: float) -> None:
         self.log(f"fencing process {p.lid} (rank {p.rank}, node {p.node}): {why}")
@@ -201,10 +203,8 @@ class Decider:
     def _declare_dead(self, p: Proc, why: str, t: float) -> None:
         p.state = ProcState.DEAD
         self.log(f"process {p.lid} (rank {p.rank}, node {p.node}) failed: {why}")
-        if p.rank is None:
-            # An idle spare just leaves the pool. No plan follows, so a fault noted for it
-            # must not time the next failure's detection.
-            if not self.pending_dead:
+        if p.rank is None:  # an idle spare leaves the pool: no plan follows, and a fault
+            if not self.pending_dead:  # noted for it must not time the next detection
                 self._fault_time = None
             return
         self.pending_dead.add(p.lid)
@@ -219,45 +219,37 @@ class Decider:
         return lid
 
     def _restart_in_place(self) -> bool:
-        """Request in-place replacements for the dead ranks that qualify; True while one
-        is still starting (the plan waits for it, bounded by the starting-spare wait)."""
-        for lid in sorted(self.pending_dead):
-            p = self.procs[lid]
-            peers = [q for q in self.procs.values() if q.node == p.node and q.lid != lid
-                     and q.state in (ProcState.ALIVE, ProcState.DONE)]
-            if not self.local.eligible(p.rank, self.agents.alive(p.node, self.clock()), len(peers)):
-                continue
-            new = self.new_lid()
-            self.procs[new] = Proc(lid=new, node=p.node, role=Role.SPARE)
-            self.local.reserve(p.rank, p.node, new, lid, p.exit_code)
-            self.emit(Event.LOCAL_RESTART, rank=p.rank, node=p.node, exit_code=p.exit_code,
-                      lid=new, replaces=lid)
-            self.send_command(p.node, {"op": CommandOp.SPAWN, "lid": new, "replaces": lid})
-            self.log(f"rank {p.rank} (process {lid}) crashed on healthy node {p.node}: "
-                     f"restarting it in place as process {new}")
-        starting = [lid for lid in self.local.reserved.values()
-                    if self.procs[lid].state == ProcState.STARTING]
-        return bool(starting) and self.clock() - self.first_dead_t < \
-            self.config.local_restart_wait_s
+        """In-place replacements for the dead ranks that qualify (local_restart.py); True
+        while one is still starting (the plan waits for it, bounded)."""
+        starting = self.local.request(self.pending_dead, self.procs,
+                                      lambda node: self.agents.alive(node, self.clock()),
+                                      self._spawn_spare, self.emit, self.log)
+        return starting and self.clock() - self.first_dead_t < self.config.local_restart_wait_s
 
     def _failed_nodes_complete(self) -> bool:
-        """The grace window has nothing left to collect: every process of each node with
-        a pending exit is dead (a node kill is planned once its last exit is seen). Deaths
-        found by the heartbeat scan (fenced, node lost) need no window: it saw them all."""
+        """Every process of each node with a pending exit is dead (fenced and lost nodes
+        need no grace window: the heartbeat scan saw them all)."""
         nodes = {self.procs[lid].node for lid in self.pending_dead & self.pending_exits}
         return not any(p.node in nodes and p.state in (ProcState.ALIVE, ProcState.STARTING)
                        for p in self.procs.values())
 
+    def _pool(self) -> list:
+        """Idle spares ``(lid, node)``, in process order."""
+        return [(p.lid, p.node) for p in sorted(self.procs.values(), key=lambda q: q.lid)
+                if p.role == Role.SPARE and p.rank is None and p.state == ProcState.ALIVE]
+
     def _replan(self) -> None:
         if self._restart_in_place():
             return
-        pool = [(p.lid, p.node) for p in sorted(self.procs.values(), key=lambda q: q.lid)
-                if p.role == Role.SPARE and p.rank is None and p.state == ProcState.ALIVE]
+        # a drain under way: undone (its node stays to serve its copies), asked again later
+        prev = self.plans[-1] if self.drains.active is None else \
+            self.drains.cancel(self.plans, self.procs)
+        pool = self._pool()
         reserved = self.local.ready(lid for lid, _ in pool)
         try:
-            plan = plans.next_plan(self.plans[-1], self.pending_dead, pool,
-                                   self._node_of_lid(), t=self.clock(),
-                                   t_failure=self._failure_t, reserved=reserved)
+            plan = dataclasses.replace(plans.next_plan(
+                prev, self.pending_dead, pool, self._node_of_lid(), t=self.clock(),
+                t_failure=self._failure_t, reserved=reserved), gen=self.gen + 1)
         except NoSpareError as exc:
             self._no_spare(exc)
             return
@@ -266,11 +258,7 @@ class Decider:
             self.waited_for_spare_s += self.clock() - self.first_dead_t
             self.emit(Event.SPARE_WAIT, generation=plan.gen,
                       waited_s=round(self.clock() - self.first_dead_t, 3))
-        for lid in self.pending_dead:
-            self.procs[lid].rank = None
-        for rank, lid in plan.spare_of_rank.items():
-            self.procs[lid].rank = rank
-        self._publish(plan)
+        self._take_ranks(plan, self.pending_dead)
         self.log(f"generation {plan.gen}: ranks {list(plan.failed_ranks)} -> spares "
                  f"{[plan.spare_of_rank[r] for r in plan.failed_ranks]} "
                  f"(detected in {plan.detect_s:.3f}s)")
@@ -295,15 +283,27 @@ class Decider:
                          f"for {'a starting' if starting else 'a joining'} spare "
                          "(deadpool launch --join-as-spare adds a spare node)")
             return  # stays pending; planned again on the next step
-        # a commit is collective: any ranked process's last report names a committed
-        # iteration, the dead ones' too (every survivor may have been fenced by now)
+        # any ranked process's last report names a committed iteration (commits are
+        # collective), the dead ones' too: every survivor may have been fenced by now
         committed = max((p.hb_committed for p in self.procs.values() if p.rank is not None),
                         default=-1)
         self.stop(f"{StopReason.NO_SPARE.value}: {exc}; last committed iteration {committed}")
 
+    def _take_ranks(self, plan: plans.Plan, leaving) -> None:
+        for lid in leaving:
+            self.procs[lid].rank = None
+        for rank, lid in plan.spare_of_rank.items():
+            self.procs[lid].rank = rank
+        self._publish(plan)
+
+    def _spawn_spare(self, node: int, replaces: int) -> int:
+        new = self.new_lid()
+        self.procs[new] = Proc(lid=new, node=node, role=Role.SPARE)
+        self.send_command(node, {"op": CommandOp.SPAWN, "lid": new, "replaces": replaces})
+        return new
+
     def _on_spare_agent(self, ev: dict) -> None:
-        """A node agent started with ``--join-as-spare``: give it a node id and process ids
-        for its standby processes."""
+        """A node agent started with ``--join-as-spare``: its node id and process ids."""
         node = max(p.node for p in self.procs.values()) + 1
         lids = [self.new_lid() for _ in range(int(ev["procs"]))]
         for lid in lids:

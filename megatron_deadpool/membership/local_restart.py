@@ -12,7 +12,10 @@ If the replacement does not come up within the starting-spare wait, the rank tak
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List
+from typing import Callable, Dict, Iterable, List, Mapping
+
+from ..base.vocabulary import Event
+from .procs import Proc, ProcState
 
 
 class LocalRestarts:
@@ -45,3 +48,22 @@ class LocalRestarts:
             if rec["generation"] is None and used.get(rec["rank"]) == rec["lid"]:
                 rec["generation"] = gen
         self.reserved.clear()
+
+    def request(self, dead: Iterable[int], procs: Mapping[int, Proc],
+                node_healthy: Callable[[int], bool], spawn: Callable[[int, int], int],
+                emit: Callable[..., None], log: Callable[[str], None]) -> bool:
+        """Request in-place replacements for the dead ranks that qualify (``spawn(node,
+        replaces)`` starts one, its lid returned); True while one is still starting."""
+        for lid in sorted(dead):
+            p = procs[lid]
+            peers = [q for q in procs.values() if q.node == p.node and q.lid != lid
+                     and q.state in (ProcState.ALIVE, ProcState.DONE)]
+            if not self.eligible(p.rank, node_healthy(p.node), len(peers)):
+                continue
+            new = spawn(p.node, lid)
+            self.reserve(p.rank, p.node, new, lid, p.exit_code)
+            emit(Event.LOCAL_RESTART, rank=p.rank, node=p.node, exit_code=p.exit_code,
+                 lid=new, replaces=lid)
+            log(f"rank {p.rank} (process {lid}) crashed on healthy node {p.node}: "
+                f"restarting it in place as process {new}")
+        return any(procs[lid].state == ProcState.STARTING for lid in self.reserved.values())

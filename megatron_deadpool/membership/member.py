@@ -12,11 +12,12 @@ thread reaches the recovery boundary wherever it is blocked).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import traceback
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from ..base.errors import DeadpoolError, stopped
 from ..base.sections import SectionTracker
@@ -78,12 +79,14 @@ class Member:
                 time.sleep(0.5)
             time.sleep(WATCH_POLL_S)
 
-    def enter_section(self, name: str) -> None:
-        """The heartbeats name section ``name`` from now on (``Deadpool.section``)."""
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """The heartbeats name section ``name`` while the body runs (``Deadpool.section``)."""
         self.sections.enter(name)
-
-    def leave_section(self) -> None:
-        self.sections.leave()
+        try:
+            yield
+        finally:
+            self.sections.leave()
 
     def step_done(self) -> None:
         """An iteration ended: progress, in the step section."""
@@ -206,6 +209,25 @@ class Member:
         import json
 
         self.store.set(st.k("report", gen, rank), json.dumps(report))
+
+    def peek_plan(self, gen: int) -> Plan:
+        """Generation ``gen``'s plan, without taking it (the watcher: is it a drain's?)."""
+        return self.coord.get_plan(gen)
+
+    def post_boundary(self, gen: int, rank: int, iteration: int) -> None:
+        """The iteration this rank stops at for planned generation ``gen``."""
+        self.store.set(st.k("boundary", gen, rank), str(int(iteration)))
+
+    def boundaries(self, gen: int, world_size: int) -> Optional[list]:
+        """Every rank's posted boundary for ``gen``, once all have posted, else None."""
+        keys = [st.k("boundary", gen, r) for r in range(world_size)]
+        if not self.store.check(keys):
+            return None
+        return [int(v) for v in self.store.multi_get(keys)]
+
+    def reports_done(self, gen: int, world_size: int) -> bool:
+        """Every rank of generation ``gen`` finished its first step after the restore."""
+        return self.store.check([st.k("report", gen, r) for r in range(world_size)])
 
     def claim_fault(self, index: int) -> bool:
         """True for the first process of the job to reach scheduled fault ``index``."""

@@ -13,7 +13,7 @@ takes the dead rank's id, so buddies and restore sources are rank arithmetic.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Hashable, Iterable, Mapping, Optional, Sequence, Tuple
 
 from . import assign
 
@@ -29,6 +29,9 @@ class Plan:
     spare_of_rank: Mapping[int, int] = field(default_factory=dict)  # rank -> lid that took it
     t: float = 0.0                       # when it was published (wall clock)
     t_failure: Optional[float] = None    # when the failure it answers happened
+    # a planned swap (drain.py): {"node", "reason", "to_standby", "text"}; its failed_ranks
+    # are the drained node's, whose processes are alive and leave at the agreed boundary
+    drain: Optional[Mapping[str, Any]] = None
 
     def rank(self, lid: int) -> Optional[int]:
         """``lid``'s rank in this generation; None when it is not a member."""
@@ -45,7 +48,7 @@ class Plan:
                 "prev_node_of_rank": list(self.prev_node_of_rank),
                 "failed_ranks": list(self.failed_ranks),
                 "spare_of_rank": {str(k): v for k, v in self.spare_of_rank.items()},
-                "t": self.t, "t_failure": self.t_failure}
+                "t": self.t, "t_failure": self.t_failure, "drain": self.drain}
 
     @classmethod
     def from_json(cls, d: dict) -> "Plan":
@@ -55,7 +58,8 @@ class Plan:
                    prev_node_of_rank=tuple(d.get("prev_node_of_rank", ())),
                    failed_ranks=tuple(d.get("failed_ranks", ())),
                    spare_of_rank={int(k): int(v) for k, v in d.get("spare_of_rank", {}).items()},
-                   t=float(d.get("t", 0.0)), t_failure=d.get("t_failure"))
+                   t=float(d.get("t", 0.0)), t_failure=d.get("t_failure"),
+                   drain=d.get("drain"))
 
 
 def initial_plan(rank_of: Mapping[int, int], node_of_lid: Mapping[int, Hashable],

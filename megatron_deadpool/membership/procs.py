@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ..base.sections import GIL_SECTIONS, Section
 from ..base.state import Role, WorkerState
@@ -31,6 +31,7 @@ class Proc:
     hb_rejected: int = 0  # heartbeats that did not advance (gen, seq): replays, never life
     hb_iteration: int = 0
     hb_committed: int = -1
+    hb_compute_s: Optional[float] = None  # its own compute per iteration (straggler.py)
     hb_gen: int = -1  # the newest plan it took
     hb_state: str = ""  # its WorkerState
     progress_change: float = 0.0
@@ -56,6 +57,7 @@ def observe(p: Proc, hb: dict, now: float) -> bool:
         p.hb_iteration, p.progress_change = hb["iteration"], now
     p.hb_section, p.hb_section_n = section
     p.hb_committed, p.hb_state = hb["committed"], hb["state"]
+    p.hb_compute_s = hb.get("compute_s")
     return True
 
 
@@ -126,3 +128,33 @@ class AgentClock:
     def alive(self, node: int, now: float) -> bool:
         last = self._grew.get(node)
         return last is not None and now - last[1] <= self.timeout_s
+
+
+def scan(coord, procs: Dict[int, Proc], agents: "AgentClock", now: float, cfg, gen: int,
+         plan_t: float, log) -> List[Tuple[Proc, str, float, bool]]:
+    """One detection pass over the heartbeats: ``(process, why, since, fence)`` for each
+    process found dead (``fence`` False: its node's agent heartbeat went stale, so no
+    fencing is possible and no plan names it again) or hung (``fence`` True, ``hung``)."""
+    out: List[Tuple[Proc, str, float, bool]] = []
+    live = [p for p in procs.values() if p.state == ProcState.ALIVE]
+    if not live:
+        return out
+    beats = coord.heartbeats([p.lid for p in live])
+    for p in live:
+        hb = beats.get(p.lid)
+        if hb is not None and not observe(p, hb, now) and p.hb_rejected == 1:
+            log(f"ignored a replayed (older) heartbeat of process {p.lid}")
+    for node in sorted({p.node for p in procs.values()}):
+        val = coord.agent_heartbeat(node)
+        since = None if val is None else agents.observe(node, val, now)
+        for p in procs.values() if since is not None else ():
+            if p.node == node and p.state in (ProcState.ALIVE, ProcState.STARTING):
+                out.append((p, f"node {node} lost (agent heartbeat stale for "
+                               f"{now - since:.1f}s)", since, False))
+    lost = {p.lid for p, *_ in out}
+    excuse_waiters(live, now, cfg)  # a silent member is judged, not its waiters
+    for p in live:
+        verdict = hung(p, now, cfg, gen, plan_t)
+        if p.lid not in lost and verdict is not None:
+            out.append((p, *verdict, True))
+    return out

@@ -8,6 +8,7 @@ below marked (signed) is sealed with the job secret for its slot (``auth.py``). 
                                    kinds: EventKind below
     dp/admit/{lid}/{nonce}         the decider's answer to one join request (signed)
     dp/spare_node/{nonce}          the decider's answer to a joining spare node (signed)
+    dp/drain/{nonce}               the decider's answer to a drain request (signed)
     dp/job_env                     what every worker is told (WorkerEnv, signed)
     dp/latest                      the current generation (signed, only grows)
     dp/plan/{g}                    JSON plan of generation g (signed, gen)
@@ -20,6 +21,7 @@ below marked (signed) is sealed with the job secret for its slot (``auth.py``). 
     dp/cmd/{node}/n, .../{i}       commands for a node agent (signed, node and i; CommandOp)
     dp/inject/{i}                  counter: the first process to reach fault i claims it
     dp/report/{g}/{rank}           a worker's recovery phase timings for generation g
+    dp/boundary/{g}/{rank}         the iteration a rank stops at for planned generation g
     dp/shutdown                    set once: the job is over (signed reason)
     gen{g}/...                     torch.distributed rendezvous of generation g (PrefixStore)
 """
@@ -49,6 +51,7 @@ class EventKind(str, enum.Enum):
     STARTUP_ERROR = "startup_error"  # a process fails before it attached (startup.py)
     FAULT_REQUEST = "fault_request"  # a scheduled test fault fired (index, iteration)
     SPARE_NODE = "spare_node"        # an agent offers a spare node (procs, nonce)
+    DRAIN_REQUEST = "drain_request"  # move a node's ranks to spares (node, reason: drain.py)
     FORGED = "forged"                # not a sender's kind: a message that did not verify
 
 
@@ -140,6 +143,10 @@ class Coordinator:
         except (auth.AuthError, KeyError):
             return False
 
+    def generation_done(self, plan: Plan) -> bool:
+        """Every rank of ``plan`` reported its recovery's first step (generation 0: none)."""
+        return plan.gen == 0 or self.raw.check([k("report", plan.gen, r) for r in range(plan.world_size)])
+
     def get_plan(self, gen: int) -> Plan:
         return Plan.from_json(auth.open_(self.secret, self.raw.get(k("plan", gen)), gen=gen))
 
@@ -183,6 +190,16 @@ class Coordinator:
     def answer_spare_node(self, nonce: str, node: int, lids: List[int]) -> None:
         self.raw.set(k("spare_node", nonce), auth.seal(
             self.secret, {"nonce": nonce, "node": node, "lids": lids}))
+
+    def request_drain(self, timeout_s: float, **fields) -> dict:
+        """``deadpool drain`` (node, reason, to_standby, text): the decider's answer."""
+        nonce = secrets.token_hex(8)
+        self.push_event(EventKind.DRAIN_REQUEST, nonce=nonce, **fields)
+        self.raw.wait([k("drain", nonce)], timedelta(seconds=timeout_s))
+        return auth.open_(self.secret, self.raw.get(k("drain", nonce)), nonce=nonce)
+
+    def answer_drain(self, nonce: str, body: dict) -> None:
+        self.raw.set(k("drain", nonce), auth.seal(self.secret, {"nonce": nonce, **body}))
 
     def publish_job_env(self, env: Dict[str, str]) -> None:
         self.raw.set(k("job_env"), auth.seal(self.secret, {"env": env}))

@@ -1,26 +1,19 @@
 """The mirror's observer: every measurement of what protection costs, in one place, beside
-the logic instead of inside it. The protection path (``control/protected.py``, the mirror
-thread) calls the hooks of the meter it was given; :data:`NO_METER` makes them no-ops. A
-launched job attaches a :class:`Meter` (its progress line and rank results report it; the
-bench reads them); nothing else reads a thread clock.
+the logic instead of inside it. The protection path (control/protected.py, the mirror
+thread) calls the hooks of the meter it was given; ``NO_METER`` makes them no-ops. A launched
+job attaches a ``Meter`` (progress line, rank results, the bench, the straggler check read
+it); no other module reads a thread clock.
 
-    main thread:   after_step() around a step's end (metadata, begin of its snapshot)
+    main thread:   after_step() around a step's end (metadata, begin of its snapshot),
                    on_main() around its other mirror work (the wait in the optimizer step)
-                   waited(s): a wait for the job in flight
     mirror thread: job() around each snapshot job, with laps per part (copy, seal, ...)
 
-What the mirror costs, in CPU seconds, from per-thread CPU clocks (load-independent: a
-thread's clock only runs while it runs, however many processes share the cores)::
-
-    mirror_cpu_fraction = CPU s per snapshot of everything the mirror adds
-                          / CPU s per step of the training main thread (less its mirror part)
-
-"Everything the mirror adds": the mirror thread (copy, checksum, seal, exchange, receive and
-header check of the buddies' copies, commit), the checksum pool's threads, the mirror group's
-gloo threads (its ``gloo_tcp_loop`` I/O thread and its two ``pt_gloo_runloop`` workers, which
-run the commit's all-reduce), and the main thread's own share, clocked with
-``time.thread_time`` around those calls. Other threads are read from
-``/proc/self/task/<tid>/schedstat`` (``stat`` utime + stime where schedstat is missing).
+``mirror_cpu_fraction`` = CPU s per snapshot of everything the mirror adds (the mirror
+thread, the checksum pool, the mirror group's gloo threads ``gloo_tcp_loop`` and
+``pt_gloo_runloop``, the main thread's share) / CPU s per step of the training main thread
+less its mirror share. Per-thread clocks are load-independent (a thread's clock runs only
+while it runs): ``time.thread_time`` on the calling thread, ``/proc/self/task/<tid>/
+schedstat`` (``stat`` utime + stime where it is missing) for the others.
 """
 
 from __future__ import annotations
@@ -41,6 +34,7 @@ CHECKSUM_THREAD_PREFIX = "deadpool-crc"  # snapshot.py's pool (its threads' name
 JOB_PARTS = ("copy", "seal", "exchange", "verify")  # a snapshot job's parts (phase_cpu)
 CPU_WINDOW_START = 3  # steps before it (startup, first allocations) are not counted
 KEEP_TIMES = 256  # copy times kept for the snapshot statistics
+COMPUTE_STEPS = 5  # iterations in a rank's compute-time median (heartbeats carry it)
 
 
 # ---------------------------------------------------------------- thread clocks
@@ -180,6 +174,9 @@ class NullMeter:
     def restored(self) -> None:
         pass
 
+    def compute_s(self) -> Optional[float]:
+        return None
+
     def progress(self, iteration: int) -> dict:
         return {"mirror_lag_s": None, "mirror_wait_s": None}
 
@@ -211,6 +208,8 @@ class Meter(NullMeter):
         self._wait_mark = 0.0
         self._cpu_start: Optional[Sample] = None
         self._cpu_last: Optional[Sample] = None
+        self._step_mark: Optional[tuple] = None  # (main CPU, its mirror part) at a step end
+        self._compute: List[float] = []  # recent steps' main-thread compute seconds
 
     @contextlib.contextmanager
     def on_main(self) -> Iterator[None]:
@@ -227,6 +226,11 @@ class Meter(NullMeter):
         first sample before it, the last one after it, its time the main thread's share."""
         c0 = time.thread_time()
         self.main_tid = threading.get_native_id()
+        if self._step_mark is not None:  # the step's own compute: not the mirror's share
+            self._compute.append((c0 - self._step_mark[0])
+                                 - (self.main_mirror_s - self._step_mark[1]))
+            del self._compute[:-COMPUTE_STEPS]
+        self._step_mark = (c0, self.main_mirror_s)
         self.steps["on" if mirror_on else "off"] += 1
         if sum(self.steps.values()) == CPU_WINDOW_START:
             self._cpu_start = self._sample(c0, with_threads=True)
@@ -266,6 +270,14 @@ class Meter(NullMeter):
 
     def restored(self) -> None:
         self.last_done = None  # the first step after a restore waits for no snapshot
+        self._step_mark, self._compute = None, []  # a rebuilt world: new compute samples
+
+    def compute_s(self) -> Optional[float]:
+        """The main thread's CPU seconds per iteration, less its mirror work: the rank's own
+        compute (a wait in a collective blocks, off the CPU), the median of the last
+        COMPUTE_STEPS iterations, for the straggler check (membership/straggler.py). None
+        before two iterations."""
+        return statistics.median(self._compute) if self._compute else None
 
     def progress(self, iteration: int) -> dict:
         """``mirror_lag_s``: how long after the previous optimizer step its snapshot was

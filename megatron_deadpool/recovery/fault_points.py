@@ -2,7 +2,8 @@
 signal this process (``base/faults.py``); the other kinds are actions on what this rank
 protects (``attachment``: ``control/protected.py``), bound here by kind name: ``drop``
 makes this rank's holder refuse the copies that arrive, ``impostor`` starts a thread that
-attacks the mirror listeners (``mirror/impostor.py``). Every delivery is reported to the
+attacks the mirror listeners (``mirror/impostor.py``), ``drain`` asks the decider to drain
+this process's node (membership/drain.py). Every delivery is reported to the
 decider first (a ``fault_request`` event: it times detection from there)."""
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ def worker_fault_points(env, member, rank: Callable[[], int], attachment) -> Fau
                           node=env.node, iteration=iteration, phase=phase)
         log.info("fault %s delivered at iteration %s (%s)", fault.kind, iteration, phase)
 
+    def drain(fault, iteration: int) -> None:  # the path of `deadpool drain --node N`
+        member.push_event(EventKind.DRAIN_REQUEST, node=env.node, reason="request",
+                          text=f"--inject {fault.describe()}")
+
     actions = {"drop": lambda fault, it: attachment.drop_arrivals(it),
-               "impostor": lambda fault, it: attachment.start_impostor(impostor.start)}
+               "impostor": lambda fault, it: attachment.start_impostor(impostor.start),
+               "drain": drain,
+               "slow": lambda fault, it: attachment.slow_down(fault.factor)}
     return FaultPoints(env.faults, rank=rank, node=env.node, claim=member.claim_fault,
                        report=report, actions=actions)

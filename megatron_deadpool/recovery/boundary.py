@@ -1,0 +1,120 @@
+"""The worker side of a planned swap (membership/drain.py): every rank stops at the same
+iteration boundary, agreed without a collective and without guessing a time.
+
+    watcher thread: sees the drain's plan (generation g+1) ─► posts completed + 1: the end
+                    of the step its rank is in (or is about to start), the first boundary
+                    it can surely still stop at
+    main thread:    at every step boundary, once its watcher posted: waits until every rank
+                    of generation g has posted; D = the maximum
+                    completed < D: trains on (a rank already inside step D needs it)
+                    completed == D: the planned swap (leave, or swap through the recovery
+                    path with nothing redone)
+
+No rank posts a boundary it has passed, and every rank checks at every boundary, so every
+rank reaches D exactly; a step boundary costs nothing until a drain is seen. A newer unplanned generation (a failure
+during the drain) aborts the wait: the failure's recovery carries the drain's moves.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from typing import Optional
+
+from ..base.state import WorkerState
+from ..membership.plan import Plan
+
+POLL_S = 0.005
+
+
+class PlannedSwap(Exception):
+    """Raised at the agreed boundary by a rank that stays: the training loop's recovery
+    boundary takes it to the drain's generation through the ordinary recovery path."""
+
+
+class Action(str, enum.Enum):
+    SWAP = "swap"    # this rank stays: abort, rendezvous on the drain's generation, restore D
+    LEAVE = "leave"  # this rank is on the drained node: its processes leave
+
+
+class Boundary:
+    def __init__(self, member, lid: int):
+        self.member, self.lid = member, lid
+        self.plan: Optional[Plan] = None  # the drain's plan, once seen
+        self.agreed: Optional[int] = None
+        self._posted: Optional[int] = None
+        self._peeked = -1  # the newest generation whose plan was read (not a drain's)
+        self._lock = threading.Lock()
+
+    @property
+    def generation(self) -> Optional[int]:
+        return self.plan.gen if self.plan is not None else None
+
+    def planned(self, gen: int, live: Optional[Plan], state) -> bool:
+        """The watcher: generation ``gen`` is a drain's plan following the live one, seen
+        while training (no abort: the main thread stops at the agreed boundary)."""
+        if self.plan is not None:
+            return self.plan.gen == gen
+        if live is None or gen != live.gen + 1 or state.mode is not WorkerState.ACTIVE \
+                or gen == self._peeked:
+            return False
+        self._peeked = gen
+        plan = self.member.peek_plan(gen)
+        if plan.drain is None:
+            return False
+        self.notice(plan, state.rank, state.iteration)
+        return True
+
+    def notice(self, plan: Plan, rank: int, completed: int) -> None:
+        """The watcher saw the drain's plan: post ``completed + 1`` unless posted."""
+        with self._lock:
+            self.plan = self.plan or plan
+            self._post(rank, completed + 1)
+
+    def check(self, rank: int, world_size: int, completed: int) -> Optional[Action]:
+        """At the boundary after ``completed`` iterations (main thread): None to train on,
+        else what this rank does now."""
+        if self.plan is None:
+            return None
+        while self.agreed is None:
+            got = self.member.boundaries(self.plan.gen, world_size)
+            if got is not None:
+                self.agreed = max(got)
+            elif self.member.current_gen() > self.plan.gen:
+                return None  # a failure during the drain: its recovery takes over
+            else:
+                time.sleep(POLL_S)
+        if completed < self.agreed:
+            return None
+        return Action.LEAVE if self.plan.rank(self.lid) is None else Action.SWAP
+
+    def _post(self, rank: int, iteration: int) -> None:
+        if self._posted is None:
+            self._posted = iteration
+            self.member.post_boundary(self.plan.gen, rank, iteration)
+
+    def leaves(self, timeout_s: float) -> bool:
+        """A drained process at D: it stays until the drain's generation has restored and
+        re-protected (its copies may still be needed), then leaves: True. A failure before
+        that cancels the drain (membership/drain.py): False when the newest plan names this
+        process again, which then rejoins through the recovery path."""
+        gen, world = self.plan.gen, self.plan.world_size
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self.member.reports_done(gen, world):
+            newest = self.member.current_gen()
+            if newest > gen:
+                return self.member.peek_plan(newest).rank(self.lid) is None
+            time.sleep(POLL_S * 10)
+        return True
+
+    def drained(self, live: Optional[Plan], plan: Plan) -> bool:
+        """This process left in a drain published after ``live`` up to ``plan`` (a failure
+        during the drain moved past it): not a failed member, so it leaves cleanly."""
+        first = live.gen + 1 if live is not None else plan.gen
+        return any(self.lid in (self.member.peek_plan(g).drain or {}).get("leaving", ())
+                   for g in range(first, plan.gen + 1))
+
+    def done(self) -> None:
+        """The swap went through (or a failure's recovery replaced it)."""
+        self.plan, self.agreed, self._posted = None, None, None
