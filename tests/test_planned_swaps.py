@@ -61,9 +61,10 @@ def test_a_node_killed_during_a_drain_ends_in_one_plan(tmp_path, reference):
 
 
 def test_a_second_drain_during_a_drain_waits_for_it(tmp_path, reference):
-    p, s = launch(tmp_path, FLAGS + ["--deadpool"], spares=2,
+    flags = layout_flags(2, 2, 20)  # time for the second drain after the first
+    p, s = launch(tmp_path, flags + ["--deadpool"], spares=2,
                   inject=["drain:node=2@iter=5", "drain:node=1@iter=5"])
-    assert_ok_and_bitwise(p, s, reference(FLAGS))
+    assert_ok_and_bitwise(p, s, reference(flags))
     assert sorted(d["node"] for d in s["drains"]) == [1, 2]
     assert all(d["iterations_redone"] == 0 and d["applied"] for d in s["drains"])
 

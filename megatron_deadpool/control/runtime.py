@@ -110,7 +110,7 @@ class Runtime:
         """This process's rank in ``plan`` (Megatron reads the environment)."""
         if plan.rank(self.env.lid) is None and (self.promoted or self.boundary.drained(
                 self.plan, plan)):  # drained, or a spare whose drain a failure undid
-            raise SystemExit(0)
+            self.boundary.leave_after(self.config.spare_ready_timeout_s, plan)
         rank = rank_in(plan, self.env.lid)
         self.state = self.state.adopt(rank, plan.world_size, plan.gen)
         self.plan = plan
@@ -181,8 +181,8 @@ class Runtime:
         gen = self.boundary.generation
         self.sink.emit(Event.DRAIN_BOUNDARY, generation=gen, rank=self.state.rank,
                        iteration=iteration, action=action.value)
-        if action is Action.LEAVE and self.boundary.leaves(self.config.spare_ready_timeout_s):
-            raise SystemExit(0)  # the drained node's processes exit once the swap is done
+        if action is Action.LEAVE:  # exits once the swap is done, or rejoins a newer plan
+            self.boundary.leave_after(self.config.spare_ready_timeout_s, moved=PlannedSwap)
         raise PlannedSwap(f"planned swap to generation {gen} at iteration {iteration}")
 
     def step_done(self, iteration: int) -> Optional[dict]:

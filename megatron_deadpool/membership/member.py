@@ -45,6 +45,7 @@ class Member:
         self.sections = SectionTracker()  # the section heartbeats name (Deadpool.section)
         self._stop = threading.Event()
         self._watcher: Optional[threading.Thread] = None
+        self._watch_coord: Optional[st.Coordinator] = None
 
     # -------------------------------------------------------------- admission and watch
     def admit(self, status: Callable[[], dict], on_generation: Callable[[int], None],
@@ -58,6 +59,7 @@ class Member:
     def _watch(self, status, on_generation, on_stop) -> None:
         client = st.Coordinator(st.connect(self.host, self.port, self.rendezvous_timeout_s),
                                 self.secret)
+        self._watch_coord = client  # the watcher's own connection (_here)
         seq, last_hb = 0, 0.0
         while not self._stop.is_set():
             try:
@@ -210,13 +212,19 @@ class Member:
 
         self.store.set(st.k("report", gen, rank), json.dumps(report))
 
+    def _here(self) -> st.Coordinator:
+        """The connection of the calling thread: a store client is not shared between the
+        watcher and the main thread (one blocked call would stall the other's)."""
+        on_watcher = threading.current_thread() is self._watcher
+        return self._watch_coord if on_watcher and self._watch_coord else self.coord
+
     def peek_plan(self, gen: int) -> Plan:
-        """Generation ``gen``'s plan, without taking it (the watcher: is it a drain's?)."""
-        return self.coord.get_plan(gen)
+        """Generation ``gen``'s plan, without taking it (is it a drain's?)."""
+        return self._here().get_plan(gen)
 
     def post_boundary(self, gen: int, rank: int, iteration: int) -> None:
         """The iteration this rank stops at for planned generation ``gen``."""
-        self.store.set(st.k("boundary", gen, rank), str(int(iteration)))
+        self._here().raw.set(st.k("boundary", gen, rank), str(int(iteration)))
 
     def boundaries(self, gen: int, world_size: int) -> Optional[list]:
         """Every rank's posted boundary for ``gen``, once all have posted, else None."""

@@ -24,6 +24,7 @@ from typing import Optional
 
 from ..base.state import WorkerState
 from ..membership.plan import Plan
+from ..membership.store import EventKind, GenerationMoved
 
 POLL_S = 0.005
 
@@ -94,19 +95,22 @@ class Boundary:
             self._posted = iteration
             self.member.post_boundary(self.plan.gen, rank, iteration)
 
-    def leaves(self, timeout_s: float) -> bool:
-        """A drained process at D: it stays until the drain's generation has restored and
-        re-protected (its copies may still be needed), then leaves: True. A failure before
-        that cancels the drain (membership/drain.py): False when the newest plan names this
-        process again, which then rejoins through the recovery path."""
-        gen, world = self.plan.gen, self.plan.world_size
+    def leave_after(self, timeout_s: float, plan: Optional[Plan] = None,
+                    moved: type = GenerationMoved) -> None:
+        """This process is not in ``plan`` (default: the drain's) and did not fail: drained,
+        or a spare whose drain a failure undid. It stays until that generation has restored
+        and re-protected (its copies may be needed until then), then leaves: SystemExit(0).
+        A newer plan first (a failure undid the drain, membership/drain.py): ``moved`` is
+        raised, and the recovery path takes the newer plan, which may name it again."""
+        plan = plan or self.plan
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not self.member.reports_done(gen, world):
-            newest = self.member.current_gen()
-            if newest > gen:
-                return self.member.peek_plan(newest).rank(self.lid) is None
+        while time.monotonic() < deadline and not self.member.reports_done(plan.gen,
+                                                                          plan.world_size):
+            if self.member.current_gen() > plan.gen:
+                raise moved(f"generation {self.member.current_gen()} replaced {plan.gen}")
             time.sleep(POLL_S * 10)
-        return True
+        self.member.push_event(EventKind.DONE)  # its exit is no failure, however long it takes
+        raise SystemExit(0)
 
     def drained(self, live: Optional[Plan], plan: Plan) -> bool:
         """This process left in a drain published after ``live`` up to ``plan`` (a failure

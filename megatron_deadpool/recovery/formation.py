@@ -36,8 +36,8 @@ def form_world(plan: Plan, adopt: Callable[[Plan], int], member, world, timeout_
     """Returns the plan whose world was formed (``plan`` or a newer one). ``adopt(plan)``
     takes this process's rank in a plan (the runtime's state) and returns it."""
     for _ in range(MAX_GENERATIONS):
-        rank = adopt(plan)
         try:
+            rank = adopt(plan)  # GenerationMoved: it waits for a newer plan (drain.py)
             member.arrive(plan.gen, plan.world_size)
         except GenerationMoved as moved:
             plan = member.wait_for_plan(plan.gen + 1, timeout_s, moved)
