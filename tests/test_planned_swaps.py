@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -61,7 +62,7 @@ def test_a_node_killed_during_a_drain_ends_in_one_plan(tmp_path, reference):
 
 
 def test_a_second_drain_during_a_drain_waits_for_it(tmp_path, reference):
-    flags = layout_flags(2, 2, 20)  # time for the second drain after the first
+    flags = layout_flags(2, 2, 40)  # time for the second drain after the first, under load
     p, s = launch(tmp_path, flags + ["--deadpool"], spares=2,
                   inject=["drain:node=2@iter=5", "drain:node=1@iter=5"])
     assert_ok_and_bitwise(p, s, reference(flags))
@@ -74,7 +75,7 @@ def test_deadpool_drain_against_a_running_job(tmp_path, reference):
     """`deadpool drain --node 1 --wait` with the job's secret: the node's ranks move at the
     next boundary, nothing is redone, the command prints the time from the request to the
     first resumed step, and the drained slots stay on as standby spares."""
-    flags = layout_flags(2, 2, 40)
+    flags = layout_flags(2, 2, 60)  # the job runs on while the command acts, under load
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
                DEADPOOL_TOKEN="a-test-job-secret")
     cli = [sys.executable, "-m", "megatron_deadpool.apps.cli"]
@@ -83,21 +84,30 @@ def test_deadpool_drain_against_a_running_job(tmp_path, reference):
                                   str(tmp_path / "s.json"), "--results-dir",
                                   str(tmp_path / "run"), "--", *flags, "--deadpool"],
                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
-    out, coordinator = [], None
-    for line in job.stdout:
-        out.append(line)
-        m = re.search(r"coordinator (\S+:\d+)", line)
-        coordinator = coordinator or (m and m.group(1))
-        if coordinator and '"iteration": 3,' in line:
-            break
-    wrong = subprocess.run(cli + ["drain", "--coordinator", coordinator, "--node", "1",
-                                  "--timeout", "20"], env=dict(env, DEADPOOL_TOKEN="guess"),
-                           capture_output=True, text=True, timeout=120)
+    out, found, started = [], {}, threading.Event()
+
+    def read():  # the whole time: a full pipe would stall the job
+        for line in job.stdout:
+            out.append(line)
+            m = re.search(r"coordinator (\S+:\d+)", line)
+            if m:
+                found["coordinator"] = m.group(1)
+            if '"iteration": 3,' in line:
+                started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert started.wait(300), "".join(out)[-3000:]
+    coordinator = found["coordinator"]
     drain = subprocess.run(cli + ["drain", "--coordinator", coordinator, "--node", "1",
                                   "--reason", "maintenance", "--to-standby", "--wait"],
                            env=env, capture_output=True, text=True, timeout=300)
-    rest, _ = job.communicate(timeout=600)
-    stdout = "".join(out) + rest
+    wrong = subprocess.run(cli + ["drain", "--coordinator", coordinator, "--node", "3",
+                                  "--timeout", "20"], env=dict(env, DEADPOOL_TOKEN="guess"),
+                           capture_output=True, text=True, timeout=120)
+    job.wait(timeout=600)
+    reader.join(60)
+    stdout = "".join(out)
     assert wrong.returncode == 2 and "wrong DEADPOOL_TOKEN" in wrong.stderr
     assert drain.returncode == 0, drain.stdout + drain.stderr + stdout[-4000:]
     done = json.loads(drain.stdout.strip().splitlines()[-1])
