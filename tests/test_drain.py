@@ -5,7 +5,6 @@ are in test_planned_swaps.py."""
 import threading
 
 import pytest
-import torch.distributed as dist
 
 from megatron_deadpool.base import faults
 from megatron_deadpool.base.errors import ConfigError

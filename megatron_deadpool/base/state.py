@@ -14,23 +14,18 @@ at each transition; everything below reads the copy it is handed.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from typing import Optional
 
+from .vocabulary import ValueEnum
 
-class Role(str, enum.Enum):
-    def __str__(self) -> str:  # the value in logs and f-strings
-        return self.value
 
+class Role(ValueEnum):
     ACTIVE = "active"
     SPARE = "spare"
     PROMOTED = "promoted"
 
 
-class WorkerState(str, enum.Enum):
-    def __str__(self) -> str:  # the value in logs and f-strings
-        return self.value
-
+class WorkerState(ValueEnum):
     STANDBY = "STANDBY"
     ACTIVE = "ACTIVE"
     RECOVERING = "RECOVERING"

@@ -8,16 +8,20 @@ from __future__ import annotations
 import enum
 
 
-class Phase(str, enum.Enum):
+class ValueEnum(str, enum.Enum):
+    """A ``str`` enum that prints as its value (in logs, f-strings and JSON alike)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Phase(ValueEnum):
     """Where in an iteration, or in a recovery, something happens.
 
     iteration:  forward_backward ─► optimizer ─► mirror   (then save / eval sections)
     recovery:   detect ─► abort ─► rendezvous ─► rebuild_groups ─► restore_state ─► first_step
     (``detect`` is the decider's: the failure until the plan; a promoted spare has no abort)
     """
-
-    def __str__(self) -> str:  # the value in logs and f-strings
-        return self.value
 
     FORWARD_BACKWARD = "forward_backward"
     OPTIMIZER = "optimizer"
@@ -42,11 +46,8 @@ FAULT_PHASES = (Phase.FORWARD_BACKWARD, Phase.OPTIMIZER, Phase.MIRROR, Phase.REN
 SECTION_PHASES = (Phase.SAVE, Phase.EVAL)  # fired on entering a section (api.section)
 
 
-class Event(str, enum.Enum):
+class Event(ValueEnum):
     """One line of the events file: ``{"ts", "event", ...fields}``."""
-
-    def __str__(self) -> str:  # the value in logs and f-strings
-        return self.value
 
     STEP = "step"                        # rank, iteration: a completed iteration
     PHASE = "phase"                      # phase, duration_s, generation, rank
