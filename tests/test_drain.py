@@ -85,6 +85,35 @@ def test_the_decider_publishes_a_drain_answers_and_takes_the_leaving_exit_as_don
     assert _c(store).current_gen() == 1 and d.drains.refused[0]["node"] == 3
 
 
+def test_the_new_plans_ranks_complete_the_job_however_late_the_drained_exits_come():
+    """The drained processes say `done` before they exit, and their exits may be seen
+    seconds later. Once the drain's generation has stepped, the job is complete only when
+    the spares that took their ranks are done too (the CI failure at 2b18601: the job was
+    stopped as complete while the spares were still in their last barrier)."""
+    d, store, _ = _decider(spares=2)
+    for lid in range(10):
+        _join(store, lid)
+    d.step()
+    _c(store).push_event("drain_request", node=1, reason="request")
+    d.step()
+    assert d.drains.active is not None
+    for rank in range(8):  # generation 1 restored and stepped
+        store.set(st.k("report", 1, rank), "{}")
+    d.step()
+    assert d.drains.active is None  # applied: a failure from now on is planned from it
+    for lid in range(8):  # the drained (2, 3) and the staying processes are done; no exits
+        _c(store).push_event("done", lid=lid)
+    d.step()
+    assert not d.finished  # spares 8 and 9 hold ranks 2 and 3 and are still training
+    for lid in (8, 9):
+        _c(store).push_event("done", lid=lid)
+    d.step()
+    assert d.finished and not d.pending_dead
+    _c(store).push_event("exit", lid=2, code=0, node=1)  # late: still a clean leave
+    d.step()
+    assert d.procs[2].state == "done" and not d.pending_dead
+
+
 class _Member:
     """The store side of the boundary: posts and the current generation."""
 

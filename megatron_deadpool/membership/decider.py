@@ -115,6 +115,7 @@ class Decider:
             self._fault_time = None  # a requested drain is no failure to time
             if plan is not None:  # the leaving keep their ranks until they leave
                 self._take_ranks(plan, ())
+        self.drains.settle(self.coord.generation_done)
         actives = self.drains.finishing(self.procs, self.plans)
         if actives and all(p.state == ProcState.DONE for p in actives) and not self.pending_dead:
             self.stop(f"{StopReason.COMPLETE.value}: all ranks finished", failed=False)
@@ -265,8 +266,7 @@ class Decider:
         self.pending_dead.clear()
         self.pending_exits.clear()
         self.first_dead_t = None
-        self._waiting_logged = False
-        self._fault_time = None
+        self._waiting_logged, self._fault_time = False, None
 
     def _no_spare(self, exc: NoSpareError) -> None:
         """Wait (bounded) for spares that are still starting or, with

@@ -116,8 +116,16 @@ class DrainQueue:
     def take(self) -> Optional[DrainRequest]:
         return self.waiting.pop(0) if self.waiting and self.active is None else None
 
+    def settle(self, generation_done: Callable[[plans.Plan], bool]) -> None:
+        """The drain under way is applied once every rank of its generation has restored and
+        stepped, the moment its drained processes start to leave. From then on a failure is
+        planned from the drain's plan, and the new plan's ranks complete the job, however
+        late the drained processes' exits are seen (an exit can take seconds)."""
+        if self.active is not None and generation_done(self.active):
+            self.active = None
+
     def left(self, lid: int) -> Optional[plans.Plan]:
-        """A leaving process exited cleanly: the drain it left in is applied."""
+        """A leaving process exited cleanly (its drain applied, or applies now)."""
         plan = self.leaving.pop(lid, None)
         if plan is not None and self.active is plan:
             self.active = None
