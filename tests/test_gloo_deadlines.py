@@ -3,6 +3,7 @@
 
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
@@ -131,3 +132,53 @@ def test_regroup_stays_inside_the_fence_for_any_rendezvous_timeout():
     for rdzv in (10.0, 40.0, 120.0, 600.0):
         cfg = DeadpoolConfig(enabled=True, rendezvous_timeout_s=rdzv)
         assert cfg.regroup_timeout_s <= cfg.take_plan_timeout_s / 2
+
+
+def _lopsided_worker(rank: int, path: str, section: str, out) -> None:
+    """Rank 1 works alone in ``section`` for 2.5 s (a slow checkpoint write) while rank 0
+    waits in the closing barrier; the gloo op deadline is 1 s."""
+    import time
+
+    store = dist.FileStore(path, 2)
+    w = World("gloo", 0, 60.0, 600.0, lambda *a, **k: None, gloo_op_timeout_s=1.0)
+    w.init_process_group(store, 0, rank, 2)
+    w.set_collective_timeouts()
+    w.bound_gloo_deadlines()  # training runs: every wait bounded by 1 s
+    w.enter_section(section, {"save": 60.0, "eval": 60.0, "data": 60.0})
+    if rank == 1:
+        time.sleep(2.5)
+    try:
+        dist.barrier()
+        out.put((rank, "completed"))
+    except RuntimeError as exc:
+        out.put((rank, str(exc)))
+    w.bound_gloo_deadlines()  # the next step bounds them again
+    out.put((rank, _timeout_s(dist.group.WORLD)))
+    store.set(f"done{rank}", "1")
+    store.wait(["done0", "done1"], timedelta(seconds=60))
+
+
+@pytest.mark.parametrize("section,ends", [("save", "completed"), ("data", "completed"),
+                                          ("eval", "Timed out waiting 1000ms")])
+def test_a_save_outlasting_the_gloo_op_deadline_is_no_failure(tmp_path, section, ends):
+    """In a lopsided section (a save's writes, a dataset build) the closing barrier waits for
+    the slowest rank, up to the section's timeout, and the next step restores the gloo op
+    deadline; an eval is bounded as a step is (the barrier times out)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_lopsided_worker, args=(r, str(tmp_path / "s"), section, out))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = [out.get(timeout=120) for _ in range(4)]
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    waits = {r: v for r, v in got if isinstance(v, str)}
+    assert ends in waits[0], waits
+    assert [v for r, v in got if not isinstance(v, str)] == [1.0, 1.0]

@@ -36,6 +36,18 @@ def test_an_injected_drain_redoes_nothing(tmp_path, reference):
     assert s["recoveries"] == [] and s["drains_refused"] == []
     assert d["restored_iter"] >= 6  # the boundary agreed after the request
     assert "draining node 2 (request)" in p.stdout
+    assert d["state_from"] == {"4": "buddy", "5": "buddy"}  # the default source
+
+
+def test_a_drained_ranks_state_comes_straight_from_the_draining_process(tmp_path, reference):
+    """``--deadpool-drain-source direct`` (mirror/handoff.py): each spare takes iteration D
+    from the process it replaces, verified, and no buddy sends it; bitwise as with buddies."""
+    p, s = launch(tmp_path, FLAGS + ["--deadpool", "--deadpool-drain-source", "direct"],
+                  spares=1, inject=["drain:node=2@iter=6"])
+    assert_ok_and_bitwise(p, s, reference(FLAGS))
+    d = _one_drain(s, 2, [4, 5])
+    assert d["state_from"] == {"4": "direct", "5": "direct"}, p.stdout[-3000:]
+    assert "drain handoff" not in p.stdout + p.stderr  # no fallback to the buddy's copy
 
 
 def test_a_drain_with_no_spare_is_refused_and_the_job_goes_on(tmp_path, reference):

@@ -20,7 +20,7 @@ LAYERS = [
                        "drain", "straggler", "decider", "member"],
         "mirror": ["placement", "snapshot", "transport", "socket_transport", "handshake",
                    "metadata", "impostor", "threads", "d2h", "cost", "meter", "flat", "commit",
-                   "held", "jobs", "mirror", "persist"],
+                   "held", "jobs", "mirror", "persist", "handoff"],
         "adapters": ["support", "shard", "train_state", "cpu_standins", "cpu_mode", "lm_rules",
                      "checkpoints", "iterators", "ddp", "training_globals", "tags",
                      "evaluation"],

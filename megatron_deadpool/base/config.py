@@ -14,6 +14,7 @@ from .sections import SECTION_TIMEOUTS_S, Section, checked_timeouts, parse_secti
 AUDIT_MODES = ("none", "walk", "full")
 NO_SPARE_POLICIES = ("fail", "wait")
 MIRROR_TRANSPORTS = ("socket", "gloo")
+DRAIN_SOURCES = ("direct", "buddy")  # mirror/handoff.py
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class DeadpoolConfig:
     fallback_every: int = 0
     resume_dir: Optional[str] = None
     mirror_transport: str = "socket"
+    # a drain's moved ranks take their state from the buddy's copy ("buddy", measured the
+    # faster: docs/planned-swaps.md) or from the draining rank ("direct"): mirror/handoff.py
+    drain_source: str = "buddy"
     # --deadpool-straggler-swap FACTOR:WINDOW: a node whose ranks' compute time per
     # iteration stays above FACTOR x the median for WINDOW iterations is drained
     straggler_swap: Optional[Tuple[float, int]] = None
@@ -83,6 +87,9 @@ class DeadpoolConfig:
         if self.mirror_transport not in MIRROR_TRANSPORTS:
             raise ConfigError(f"--deadpool-mirror-transport must be one of {MIRROR_TRANSPORTS}, "
                               f"got {self.mirror_transport!r}")
+        if self.drain_source not in DRAIN_SOURCES:
+            raise ConfigError(f"--deadpool-drain-source must be one of {DRAIN_SOURCES}, got "
+                              f"{self.drain_source!r}")
         if self.straggler_swap is not None and not (
                 self.straggler_swap[0] > 1 and self.straggler_swap[1] >= 1):
             raise ConfigError("--deadpool-straggler-swap FACTOR:WINDOW needs FACTOR > 1 and "
@@ -112,6 +119,7 @@ class DeadpoolConfig:
             fallback_every=getattr(args, "deadpool_fallback_every", 0),
             resume_dir=getattr(args, "deadpool_resume", None),
             mirror_transport=getattr(args, "deadpool_mirror_transport", "socket"),
+            drain_source=getattr(args, "deadpool_drain_source", "buddy"),
             straggler_swap=parse_straggler_swap(getattr(args, "deadpool_straggler_swap", None)),
             section_timeouts_s=parse_section_timeouts(
                 getattr(args, "deadpool_section_timeouts", None) or ""),
@@ -253,11 +261,20 @@ def add_deadpool_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    default=d.mirror_transport, help="how snapshots reach the buddies: "
                    "'socket', a TCP connection per (rank, buddy) pair, or 'gloo', the mirror's "
                    "gloo group, which runs the collectives either way (default %(default)s)")
+    _add_drain_args(g, d)
+    return parser
+
+
+def _add_drain_args(g, d: DeadpoolConfig) -> None:
+    """Planned swaps (membership/drain.py)."""
+    g.add_argument("--deadpool-drain-source", choices=DRAIN_SOURCES,
+                   default=d.drain_source, help="where a drained node's ranks' state comes "
+                   "from: 'buddy', the buddy's copy, or 'direct', straight from the draining "
+                   "process (the buddy's copy if that fails) (default %(default)s)")
     g.add_argument("--deadpool-straggler-swap", default=None, metavar="FACTOR:WINDOW",
                    help="drain a node (a planned swap, if a spare exists) whose ranks' compute "
                    "time per iteration stays above FACTOR x the median for WINDOW iterations "
                    "(default: off)")
-    return parser
 
 
 def parse_straggler_swap(text: Optional[str]) -> Optional[Tuple[float, int]]:

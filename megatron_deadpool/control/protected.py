@@ -21,7 +21,7 @@ from ..adapters import train_state as ts
 from ..adapters.support import check_supported, parallel_layout, step_barrier
 from ..base.errors import DeadpoolError
 from ..base.vocabulary import Event, Phase
-from ..mirror import meter as meters
+from ..mirror import handoff, meter as meters
 from ..mirror.commit import RejectionBoard
 from ..mirror.mirror import Mirror
 from ..mirror.socket_transport import local_address
@@ -58,8 +58,7 @@ class Protected:
     def __init__(self, settings: MirrorSettings, meter: meters.NullMeter = meters.NO_METER,
                  emit: Callable[..., None] = lambda event, **fields: None):
         self.settings, self.meter = settings, meter
-        self.fallback = Fallback(settings.fallback_dir, settings.fallback_every,
-                                 settings.job_id)
+        self.fallback = Fallback(settings.fallback_dir, settings.fallback_every, settings.job_id)
         self.alarms, self._emit = Alarms(emit), emit  # mirror failures are loud (alarms.py)
         self.model = self.optimizer = self.scheduler = self.train_state = None
         self.mirror: Optional[Mirror] = None
@@ -69,8 +68,7 @@ class Protected:
         self._board: Optional[RejectionBoard] = None  # this generation's (commit.py)
         self._refused = 0  # mirror connections refused by earlier generations' listeners
         self.restored_meta: Optional[dict] = None
-        self._with_cuda = False
-        self._initial_commit_pending = False
+        self._with_cuda = self._initial_commit_pending = False
         self._suppressor: Optional[CollectiveSuppressor] = None
         self._slow_s = 0.0  # the 'slow' test fault's extra compute per step
 
@@ -231,6 +229,17 @@ class Protected:
     def _settle_groups(self) -> None:
         if not self.reaper.wait(REAPER_WAIT_S):
             raise DeadpoolError(f"old process groups not destroyed in {REAPER_WAIT_S:g}s")
+
+    def hand_off(self, gen: int, rank: int, timeout_s: float, iteration: Optional[int] = None):
+        """A drain's direct path (mirror/handoff.py): send own slot ``iteration``, or receive."""
+        from torch.distributed import distributed_c10d as c10d
+
+        s, store = self.settings, c10d._get_default_store()
+        args = (store, local_address(s.store_host), s.secret, gen, rank)
+        if iteration is not None:
+            return handoff.Sender(self.mirror, *args, iteration, timeout_s)
+        restore.create_optimizer_state(self.optimizer)  # the layout a slot is checked against
+        return handoff.receive(self.mirror, *args, timeout_s)
 
     def restore(self, rank: int) -> int:
         """Restore the newest iteration held for every rank (``restore.py``); returns it."""

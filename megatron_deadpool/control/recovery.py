@@ -19,6 +19,7 @@ from ..base.config import DeadpoolConfig
 from ..base.vocabulary import Event, Phase
 from ..membership.plan import Plan
 from ..recovery.abort import all_process_groups, drop_traceback
+from ..recovery.boundary import PlannedSwap
 from ..recovery.formation import form_world
 from ..recovery.phases import Attempt, EventSink
 from ..recovery.rebind import weak_groups
@@ -79,9 +80,28 @@ class RecoverySteps:
         plan = self.plan()
         self.member.wait_until_ready(plan.gen, plan.world_size,  # a spare builds its model
                                      self.config.spare_ready_timeout_s)
+        if a.spare:  # a drain's spare may take its state straight from the draining rank,
+            # which sends since the boundary: a short bound, the survivors wait meanwhile
+            got = self.att.hand_off(plan.gen, self.rank(), self.config.gloo_op_timeout_s / 3) \
+                if plan.drain is not None and self.config.drain_source == "direct" else None
+            a.state_from = "buddy" if got is None else "direct"
         a.restored = self.att.restore(self.rank())
         a.phase(None)
         return a
+
+    def leave(self, boundary, gen: int, rank: int, iteration: int) -> None:
+        """The drained node's process at the agreed boundary (snapshot ``iteration`` is at
+        the buddies): with ``--deadpool-drain-source direct`` its own slot goes straight to
+        the spare taking its rank (mirror/handoff.py, on a thread) while it waits until the
+        swap is done (SystemExit(0)), or until a newer plan makes it a member again
+        (PlannedSwap: the sending stops)."""
+        sender = self.att.hand_off(gen, rank, self.config.spare_ready_timeout_s, iteration) \
+            if self.config.drain_source == "direct" else None
+        try:
+            boundary.leave_after(self.config.spare_ready_timeout_s, moved=PlannedSwap)
+        finally:
+            if sender is not None:
+                sender.abort()
 
     def _fault_point(self, a: Attempt, phase: Phase) -> None:
         if not a.spare:  # test hook: a survivor dies in ``phase``

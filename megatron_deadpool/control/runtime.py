@@ -182,7 +182,7 @@ class Runtime:
         self.sink.emit(Event.DRAIN_BOUNDARY, generation=gen, rank=self.state.rank,
                        iteration=iteration, action=action.value)
         if action is Action.LEAVE:  # exits once the swap is done, or rejoins a newer plan
-            self.boundary.leave_after(self.config.spare_ready_timeout_s, moved=PlannedSwap)
+            self.steps.leave(self.boundary, gen, self.state.rank, iteration)
         raise PlannedSwap(f"planned swap to generation {gen} at iteration {iteration}")
 
     def step_done(self, iteration: int) -> Optional[dict]:
@@ -200,13 +200,13 @@ class Runtime:
 
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:
-        """``api.Deadpool.section``: the decider judges this rank by the section's timeout;
-        a scheduled fault of a section phase (save, eval) strikes on entering it."""
+        """``api.Deadpool.section``: the section's timeout judges this rank (and bounds its
+        gloo waits in a save, world.py); a scheduled save or eval fault strikes on entry."""
         with self.member.section(name):
-            it = self.state.iteration
-            if name in SECTION_PHASES and self.faults.due(it, name):
+            self.world.enter_section(name, self.config.section_timeouts_s)
+            if name in SECTION_PHASES and self.faults.due(self.state.iteration, name):
                 self.member.wait_beat_of_section()  # the decider knows the section first
-                self.faults(it, name)
+                self.faults(self.state.iteration, name)
             yield
 
     def _report_recovery(self) -> Optional[dict]:
@@ -283,7 +283,7 @@ class Runtime:
     def _begin_first_step(self, a: Attempt) -> None:
         self.state = self.state.at(a.restored)
         report = {"generation": self.plan.gen, "rank": self.state.rank, "lid": self.env.lid,
-                  "spare": a.spare, "restored_iter": a.restored,
+                  "spare": a.spare, "restored_iter": a.restored, "state_from": a.state_from,
                   "iteration_at_failure": a.iteration_at_failure,
                   "failed_ranks": list(self.plan.failed_ranks)}
         log.info("generation %s: restored iteration %s", self.plan.gen, a.restored)

@@ -141,6 +141,7 @@ def _drain(plan: Plan, rec: dict) -> dict:
             "request_to_plan_s": rec["phases_s"].get("detect"),
             "phases_s": {k: v for k, v in rec["phases_s"].items() if k != "detect"},
             "wall_s": rec["wall_s"], "ranks_reported": rec["ranks_reported"],
+            "state_from": rec["state_from"],  # per moved rank: "direct" or "buddy"
             # not applied: the job ended before the boundary, or a failure's plan took over
             "applied": not rec["superseded"]}
 
@@ -175,6 +176,8 @@ def _recovery(plan: Plan, store, world_size: int) -> dict:
         if reports and plan.t_failure is not None and all("t_done" in x for x in reports)
         else None,
         "ranks_reported": len(reports),
+        # where each promoted spare's state came from: "buddy", or a drain's "direct"
+        "state_from": {str(x["rank"]): x["state_from"] for x in reports if x.get("state_from")},
         # superseded: a further failure during this recovery moved on to a newer generation
         "superseded": not reports,
     }

@@ -82,6 +82,7 @@ class Attempt:
     plan: Any = None                      # membership.plan.Plan, once taken
     old_groups: list = field(default_factory=list)
     restored: int = -1
+    state_from: Optional[str] = None      # a spare's: "direct" (the draining rank) or "buddy"
 
     def phase(self, phase: Optional[Phase]) -> None:
         """Begin timing ``phase`` (None: stop); the phase before it closes."""

@@ -93,7 +93,7 @@ def execute(mirror, optimizer, model, rank: int) -> Tuple[int, dict]:
     decision = choose_restore(invs)
     chosen = decision.iteration
     if rank in decision.sources:
-        _create_optimizer_state(optimizer)
+        create_optimizer_state(optimizer)
     mirror.transfer_for_restore(chosen, decision.serves(rank), decision.sources.get(rank))
     # Buddies that already hold the restored iteration (same placement) are not re-sent.
     held = {(o, h) for h, inv in enumerate(invs) for o, its in inv.copies.items()
@@ -110,7 +110,7 @@ def resume(mirror, optimizer, model, root: str, layout: tuple) -> Tuple[int, dic
 
     saved = persist.scan(root)
     candidates = persist.resume_candidates(saved, layout)
-    _create_optimizer_state(optimizer)
+    create_optimizer_state(optimizer)
 
     def load_own(key) -> Optional[str]:
         try:
@@ -124,7 +124,7 @@ def resume(mirror, optimizer, model, root: str, layout: tuple) -> Tuple[int, dic
     return chosen, _load_and_reprotect(mirror, optimizer, model, chosen, frozenset())
 
 
-def _create_optimizer_state(optimizer) -> None:
+def create_optimizer_state(optimizer) -> None:
     """A rank without a step behind it (a spare, a resumed job) creates the state the copy
     fills."""
     from ..adapters import shard

@@ -21,8 +21,9 @@ import logging
 import os
 import threading
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
+from ..base.sections import LOPSIDED_SECTIONS
 from ..base.vocabulary import Event
 from . import abort as ab
 from .shared_groups import shared_gloo_groups
@@ -143,6 +144,18 @@ class World:
         if self._long and self.backend == "gloo" and self.gloo_op_timeout_s:
             self._set_timeouts(self.gloo_op_timeout_s)
         self._long = False
+
+    def enter_section(self, name: str, timeouts_s: Mapping[str, float]) -> None:
+        """Section ``name`` begins. In a lopsided one (base/sections.py: a checkpoint save, a
+        dataset build) on a gloo world, every group's collectives wait up to the section's
+        timeout, until the next step's ``bound_gloo_deadlines``: the gloo op deadline would
+        end a save's closing barrier, as a local error, on the ranks that finished writing
+        first whenever another rank's writes take longer. A failure in the section still
+        wakes those waits (the abort shuts their connections down)."""
+        if name in LOPSIDED_SECTIONS and self.backend == "gloo" and self.gloo_op_timeout_s \
+                and self._live_gen is not None:
+            self._set_timeouts(max(timeouts_s[name], self.gloo_op_timeout_s))
+            self._long = True
 
     def _set_timeouts(self, seconds: float) -> None:
         from torch.distributed import distributed_c10d as c10d
