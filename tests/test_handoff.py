@@ -10,31 +10,16 @@ import torch
 import torch.distributed as dist
 
 from megatron_deadpool.mirror import handoff, snapshot
-from megatron_deadpool.mirror.held import HeldCopies
+from test_fallback import _FakeMirror
 
 SECRET = "s" * 32
 
 
-class _Mirror:
-    """What handoff.py reads of a mirror: layout, own slots, rank, job, pinning."""
-
-    def __init__(self, rank, job=7):
-        self.t = torch.arange(50, dtype=torch.float32) + rank
-        self.layout = snapshot.Layout([("w", self.t)], 256)
-        self.rank, self.job, self.pin = rank, job, False
-        self.own = [snapshot.alloc_slot(self.layout.total_bytes, False) for _ in range(2)]
-        self.own_iter = [-1, -1]
-        self.held = HeldCopies(job)
-
-    def ensure_layout(self):
-        return self.layout
-
-    def seal(self, iteration, owner=None):
-        slot = self.own[iteration % 2]
-        snapshot.copy_tensors_in(slot, self.layout, [self.t * iteration])
-        snapshot.seal(slot, self.layout, self.rank if owner is None else owner, iteration,
-                      {"iteration": iteration}, self.job)
-        self.own_iter[iteration % 2] = iteration
+def _mirror(rank):
+    """test_fallback's fake mirror (slots, layout, job), unpinned as on CPU."""
+    m = _FakeMirror(rank)
+    m.pin = False
+    return m
 
 
 def _stores():
@@ -47,7 +32,7 @@ def _stores():
 
 def test_the_spare_adopts_the_draining_ranks_own_slot():
     _, old, new = _stores()
-    draining, spare = _Mirror(5), _Mirror(5)
+    draining, spare = _mirror(5), _mirror(5)
     draining.seal(6)
     sender = handoff.Sender(draining, old, "127.0.0.1", SECRET, 4, 5, 6, timeout_s=20)
     got = handoff.receive(spare, new, "127.0.0.1", SECRET, 4, 5, timeout_s=20)
@@ -59,8 +44,8 @@ def test_the_spare_adopts_the_draining_ranks_own_slot():
 
 def test_a_slot_of_another_rank_is_refused_and_nothing_is_adopted(caplog):
     _, old, new = _stores()
-    draining, spare = _Mirror(5), _Mirror(5)
-    draining.seal(6, owner=4)  # the wrong rank's state
+    draining, spare = _mirror(4), _mirror(5)  # rank 4's state, sent as rank 5's
+    draining.seal(6)
     sender = handoff.Sender(draining, old, "127.0.0.1", SECRET, 4, 5, 6, timeout_s=20)
     assert handoff.receive(spare, new, "127.0.0.1", SECRET, 4, 5, timeout_s=20) is None
     assert sender.join(20) and spare.own_iter == [-1, -1]
@@ -69,14 +54,14 @@ def test_a_slot_of_another_rank_is_refused_and_nothing_is_adopted(caplog):
 
 def test_no_sender_ends_at_the_bound_with_nothing_adopted():
     _, _, new = _stores()
-    spare = _Mirror(5)
+    spare = _mirror(5)
     assert handoff.receive(spare, new, "127.0.0.1", SECRET, 4, 5, timeout_s=0.5) is None
     assert spare.own_iter == [-1, -1]
 
 
 def test_an_aborted_sender_stops():
     _, old, _ = _stores()
-    draining = _Mirror(5)
+    draining = _mirror(5)
     draining.seal(6)
     sender = handoff.Sender(draining, old, "127.0.0.1", SECRET, 4, 5, 6, timeout_s=60)
     sender.abort()  # a newer plan: the spare never comes

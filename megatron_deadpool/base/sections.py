@@ -34,7 +34,7 @@ GIL_SECTIONS = frozenset(s.value for s in (Section.STARTUP, Section.SAVE, Sectio
 # long: a checkpoint's writes and fsyncs (the save's closing barrier waits for the slowest
 # writer), a dataset index build (the others wait at its barrier). On a gloo world their
 # collectives are bounded by the section's timeout instead of the gloo op deadline
-# (recovery/world.py, ``relax_gloo_deadlines``). EVAL is not one: its steps are symmetric.
+# (recovery/world.py, ``World.enter_section``). EVAL is not one: its steps are symmetric.
 LOPSIDED_SECTIONS = frozenset(s.value for s in (Section.SAVE, Section.DATA))
 
 # Default timeouts of the sections other than STEP (whose timeout is

@@ -1,6 +1,6 @@
 """A planned swap's state straight from the draining rank (membership/drain.py), beside the
-buddy's copy: ``--deadpool-drain-source direct`` (the default, ``buddy``, measured faster
-here: docs/planned-swaps.md).
+buddy's copy: ``--deadpool-drain-source direct``. The default stays ``buddy``, which
+measured as fast or faster here (docs/planned-swaps.md).
 
     draining process, rank r of generation g          the spare taking rank r in g+1
     at the agreed boundary D, snapshot D sealed
