@@ -201,6 +201,28 @@ def test_drain_and_slow_fault_specs():
             faults.parse_fault(bad)
 
 
+def test_a_slow_fault_burns_at_every_later_iteration_start_and_only_there():
+    """A kind that is not a signal is one table entry and one action: ``slow``'s action
+    returns a lasting effect, which the fault points run at each later FORWARD_BACKWARD."""
+    from megatron_deadpool.base.vocabulary import Phase
+    from megatron_deadpool.recovery.fault_points import straggle
+
+    burns = []
+    sched = [faults.parse_fault("slow:rank=0@iter=3,factor=3")]
+    fp = faults.FaultPoints(sched, rank=lambda: 0, node=0, claim=lambda i: True,
+                            report=lambda *a: None,
+                            actions={"slow": lambda f, it: lambda: burns.append(it)})
+    for it in range(1, 6):
+        fp(it, Phase.FORWARD_BACKWARD)
+        fp(it, Phase.OPTIMIZER)
+    assert burns == [3, 3]  # fired at 3: iterations 4 and 5 burn, once each
+    t = iter([0.0, 0.0, 0.5, 1.0, 2.0, 9.0])
+    burn = straggle(3.0, 1.0, clock=lambda: next(t))  # (3 - 1) x 1.0 s per step
+    burn()
+    assert next(t) == 9.0  # read the clock until 2.0 s had passed, not after
+    straggle(3.0, None)()  # no compute measured yet: burns nothing
+
+
 def _procs(compute, iteration):
     from megatron_deadpool.membership.procs import Proc
 

@@ -103,8 +103,12 @@ class FakeWorld:
         self.formed.append(gen)
         self.aborted = False
 
-    def build_groups(self):
-        pass
+    def build_groups(self, mp_kwargs=None):
+        if mp_kwargs is not None:
+            self.mp_kwargs = mp_kwargs
+
+    def also_on_abort(self, wake):
+        self.on_abort = wake
 
     def set_collective_timeouts(self):
         pass

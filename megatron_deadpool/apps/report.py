@@ -16,9 +16,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-PHASE_COLORS = {"detect": "#d62728", "abort": "#ff7f0e", "rendezvous": "#bcbd22",
-                "rebuild_groups": "#9467bd", "restore_state": "#17becf",
-                "first_step": "#2ca02c"}
+from ..base.vocabulary import RECOVERY_PHASES, Event, Phase
+
+PHASE_COLORS = dict(zip(RECOVERY_PHASES, ("#d62728", "#ff7f0e", "#bcbd22", "#9467bd",
+                                          "#17becf", "#2ca02c")))
 
 
 @dataclass
@@ -46,14 +47,15 @@ def timeline(events: List[dict], summary: Optional[dict] = None) -> Timeline:
     last: Dict[int, float] = {}
     for e in sorted(events, key=lambda x: x["ts"]):
         t, r = e["ts"] - t0, e.get("rank")
-        if e["event"] == "step":
+        kind = Event(e["event"])
+        if kind is Event.STEP:
             start = last.get(r, 0.0)
             tl.steps.setdefault(r, []).append((start, t, e["iteration"]))
             last[r] = t
-        elif e["event"] == "phase" and e["phase"] != "detect":
-            tl.phases.setdefault(r, []).append((t - e["duration_s"], t, e["phase"]))
+        elif kind is Event.PHASE and Phase(e["phase"]) is not Phase.DETECT:
+            tl.phases.setdefault(r, []).append((t - e["duration_s"], t, Phase(e["phase"])))
             last[r] = t
-        elif e["event"] == "promoted":
+        elif kind is Event.PROMOTED:
             tl.promoted.append((t, r, e["lid"]))
     for f in (summary or {}).get("faults", []):
         if f.get("t"):
@@ -61,7 +63,7 @@ def timeline(events: List[dict], summary: Optional[dict] = None) -> Timeline:
     if not tl.failures:
         first_abort: Dict[int, float] = {}
         for e in events:
-            if e["event"] == "abort":
+            if Event(e["event"]) is Event.ABORT:
                 g = e.get("generation", 0)
                 first_abort[g] = min(first_abort.get(g, e["ts"]), e["ts"])
         tl.failures = sorted(t - t0 for t in first_abort.values())

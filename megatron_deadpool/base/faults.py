@@ -202,7 +202,7 @@ def parse_fault(spec: str, index: int = 0) -> Fault:
     if "iter" not in fields:
         raise _bad(spec, "missing 'iter=N' after '@'")
     iteration = _int(spec, "iter", fields["iter"])
-    phase = fields.get("phase", "forward_backward")
+    phase = fields.get("phase", Phase.FORWARD_BACKWARD.value)
     if phase not in PHASES:
         raise _bad(spec, f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
     try:
@@ -255,7 +255,9 @@ def validate_schedule(faults: Sequence[Fault], total_nodes: int, world_size: int
             raise ConfigError(f"{where}: iteration {f.iteration} is outside 1..{train_iters}")
 
 
-Action = Callable[["Fault", int], None]  # (the fault, the iteration it fires at)
+# (the fault, the iteration it fires at) -> None, or an effect that lasts: a callable run
+# at every later iteration's start (the FORWARD_BACKWARD point), e.g. the ``slow`` kind's
+Action = Callable[["Fault", int], Optional[Callable[[], None]]]
 
 
 class FaultPoints:
@@ -272,12 +274,16 @@ class FaultPoints:
         self.rank, self.node = rank, node
         self.claim, self.report, self.kill = claim, report, kill
         self.actions: Dict[str, Action] = {"raise": self._raise_local, **(actions or {})}
+        self.lasting: List[Callable[[], None]] = []  # effects of faults that fired before
 
     def due(self, iteration: int, phase: str) -> List[Fault]:
         return [f for f in self.faults if f.iteration == iteration and f.phase == phase
                 and f.targets(self.rank(), self.node)]
 
     def __call__(self, iteration: int, phase: str) -> None:
+        if phase == Phase.FORWARD_BACKWARD:
+            for effect in self.lasting:
+                effect()
         for f in self.due(iteration, phase):
             kind = KINDS[f.kind]
             if kind.claimed:
@@ -287,7 +293,9 @@ class FaultPoints:
             if kind.signal is not None:
                 self._signal(f, getattr(_signal, kind.signal), phase)
             elif f.kind in self.actions:
-                self.actions[f.kind](f, iteration)
+                effect = self.actions[f.kind](f, iteration)
+                if effect is not None:
+                    self.lasting.append(effect)
             else:
                 raise ConfigError(f"fault kind {f.kind!r} has no action in this worker")
 

@@ -12,7 +12,6 @@ recovery/fault_points.py.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -53,6 +52,12 @@ class MirrorSettings:
     fallback_dir: Optional[str] = None
     fallback_every: int = 0
 
+    @property
+    def transport_name(self) -> str:
+        """The registered transport the mirror uses: the chosen one, or with no buddies
+        (``replicas`` 0) the gloo group alone, which runs the commit's collectives."""
+        return self.transport if self.replicas else "gloo"
+
 
 class Protected:
     def __init__(self, settings: MirrorSettings, meter: meters.NullMeter = meters.NO_METER,
@@ -70,7 +75,6 @@ class Protected:
         self.restored_meta: Optional[dict] = None
         self._with_cuda = self._initial_commit_pending = False
         self._suppressor: Optional[CollectiveSuppressor] = None
-        self._slow_s = 0.0  # the 'slow' test fault's extra compute per step
 
     def quiet_startup(self) -> None:
         """A promoted spare builds its model without talking to anyone (see quiet.py)."""
@@ -96,13 +100,13 @@ class Protected:
                                  job=self.settings.job_id, meter=self.meter)
         m.set_sources(lambda: shard.shard_tensors(optimizer, placeholders=True)
                       + shard.unreplicated_tensors(model, dp_size))
-        m.fault_hook = lambda it: fault_points(it, Phase.MIRROR)
         why_not = step_barrier(optimizer)  # mirror/commit.py
         m.implicit_commit = why_not is None
         if why_not is not None and self.settings.replicas:
             log.info("mirror commits with its own collective: %s", why_not)
-        m.on_copy_rejected = self.alarms.copy_rejected
-        m.on_committed = self.fallback.attach(m, world_size)  # on the mirror thread
+        m.set_hooks(fault=lambda it: fault_points(it, Phase.MIRROR),
+                    committed=self.fallback.attach(m, world_size),  # e.g. periodic saves
+                    copy_rejected=self.alarms.copy_rejected)
         if self._transport is None:  # initialize_model_parallel did not run through us
             self.connect(plan)
         m.set_topology(self._transport, plan.node_of_rank, self._board)
@@ -124,10 +128,9 @@ class Protected:
             lower_thread_priority(tid)
         self.meter.gloo_threads(tids)
         store = c10d._get_default_store()  # this generation's (world.py)
-        name = s.transport if s.replicas else "gloo"  # no buddies: collectives only
-        host = local_address(s.store_host) if name == "socket" else s.store_host
-        self._transport = create_transport(name, TransportContext(
-            store, gloo.rank, gloo.world_size, gloo, host, s.secret, plan.gen, s.op_timeout_s))
+        self._transport = create_transport(s.transport_name, TransportContext(
+            store, gloo.rank, gloo.world_size, gloo, s.store_host, s.secret, plan.gen,
+            s.op_timeout_s))
         self._board = RejectionBoard(store)
         if self.mirror is not None:
             self.mirror.set_topology(self._transport, plan.node_of_rank, self._board)
@@ -163,10 +166,6 @@ class Protected:
     def before_step(self, iteration: int) -> None:
         """The first call of a fresh job commits the initial state, so that a failure in the
         very first step rolls back to a committed state too (a restored spare skips it)."""
-        if self._slow_s:  # the 'slow' test fault: this rank computes factor x longer
-            end = time.perf_counter() + self._slow_s
-            while time.perf_counter() < end:
-                pass
         if self._initial_commit_pending:
             self._initial_commit_pending = False
             self.mirror.begin(iteration, dict(self._meta(iteration), initial=True))
@@ -200,7 +199,7 @@ class Protected:
         if not self.mirror.quiesce(timeout_s):
             raise DeadpoolError("the mirror thread did not stop after the abort")
         self._old_transport, self._transport = self._transport, None
-        self.mirror.transport = None
+        self.mirror.disconnect()
 
     def abort_transport(self) -> None:
         """``World.on_abort`` (any thread): the transport's own sockets are not abort.py's."""
@@ -278,15 +277,8 @@ class Protected:
     def drop_arrivals(self, iteration: int) -> None:
         self.mirror.drop_arrivals(iteration)
 
-    def slow_down(self, factor: float) -> None:
-        """From now on each step also burns (factor - 1) x this rank's compute per step, as
-        measured so far: a straggler that is alive and makes progress."""
-        base = self.meter.compute_s() or 0.0
-        self._slow_s = (factor - 1) * base
-        log.info("slow fault: each step burns %.3f s more (compute %.3f s)", self._slow_s, base)
-
     def start_impostor(self, start: Callable) -> None:
-        start(self.mirror.transport)
+        start(self._transport)
 
     # ---------------------------------------------------------------- end
     def finish_info(self) -> dict:

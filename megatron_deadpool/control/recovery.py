@@ -27,7 +27,8 @@ from .protected import Protected
 
 
 class RecoverySteps:
-    SEQUENCE = ("abort", "rendezvous", "rebuild_groups", "restore_state")
+    # the survivor's steps, each named by the phase it times
+    SEQUENCE = (Phase.ABORT, Phase.RENDEZVOUS, Phase.REBUILD_GROUPS, Phase.RESTORE_STATE)
 
     def __init__(self, config: DeadpoolConfig, member, world, protected: Protected,
                  sink: EventSink, faults, rank: Callable[[], int], plan: Callable[[], Plan],
@@ -37,8 +38,8 @@ class RecoverySteps:
         self.rank, self.plan, self.adopt = rank, plan, adopt
 
     def run(self, a: Attempt) -> Attempt:
-        for name in self.SEQUENCE:
-            a = getattr(self, name)(a)
+        for phase in self.SEQUENCE:
+            a = getattr(self, phase.value)(a)
         return a
 
     def abort(self, a: Attempt) -> Attempt:

@@ -49,7 +49,7 @@ class Runtime:
         self.state = RankState(lid=env.lid, node=env.node, role=env.role,
                                rank=env.rank, world_size=env.world_size)
         self.faults = worker_fault_points(env, member, lambda: self.state.rank, protected)
-        world.on_abort = protected.abort_transport  # the mirror's sockets (abort.py)
+        world.also_on_abort(protected.abort_transport)  # the mirror's sockets (abort.py)
         self.plan: Optional[Plan] = None
         self.recoveries: List[dict] = []
         self._first_step: Optional[tuple] = None
@@ -123,9 +123,8 @@ class Runtime:
 
     def initialize_model_parallel(self, kwargs: dict) -> None:
         """First build of the model-parallel groups (recorded, replayed on every rebuild)."""
-        self.world.mp_kwargs = dict(kwargs)
         try:
-            self.world.build_groups()
+            self.world.build_groups(kwargs)
         except Exception as exc:  # noqa: BLE001 - classified right below
             if not is_peer_failure(exc, aborted=False):
                 raise
@@ -154,7 +153,7 @@ class Runtime:
         if not self.promoted:
             return
         attempt = Attempt(cause=DeadpoolError("promoted"), iteration_at_failure=None,
-                          timer=self._spare_timer, plan=self.plan, spare=True)
+                          timer=self._spare_timer, plan=self.plan, role=self.state.role)
         try:
             self._begin_first_step(self.steps.restore_state(attempt))
         except Exception as exc:  # noqa: BLE001 - a peer failed while this spare restored
@@ -263,7 +262,7 @@ class Runtime:
         for attempt in range(1, MAX_ATTEMPTS + 1):
             a = Attempt(cause=exc, iteration_at_failure=iteration_at_failure,
                         timer=PhaseTimer(self.sink, self.plan.gen + 1, self.state.rank),
-                        spare=self.promoted)
+                        role=self.state.role)
             try:
                 self.state = self.state.enter(WorkerState.RECOVERING)
                 self._begin_first_step(self.steps.run(a))

@@ -9,7 +9,9 @@ from typing import Dict, List
 
 from ..membership import store as st
 from ..membership.plan import Plan
+from ..membership.procs import ProcState
 from ..mirror import persist
+from ..base.state import Role
 from ..base.vocabulary import PHASE_ORDER
 from .options import LaunchOptions
 
@@ -88,8 +90,8 @@ def build_summary(opts, cfg, results_dir, decider, store, codes, failed, wall_s,
         if cfg.enabled and cfg.fallback_save_dir:
             summary["fallback_save"] = fallback_save(cfg.fallback_save_dir, opts.world_size)
         summary["standby_spares_at_end"] = sum(
-            1 for p in decider.procs.values() if p.role == "spare" and p.rank is None
-            and p.state != "dead" and p.lid not in {x["lid"] for x in decider.local.records})
+            1 for p in decider.procs.values() if p.role is Role.SPARE and p.rank is None
+            and p.state != ProcState.DEAD and p.lid not in {x["lid"] for x in decider.local.records})
     return summary
 
 

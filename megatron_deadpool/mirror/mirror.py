@@ -71,6 +71,11 @@ class Mirror:
     def set_sources(self, tensors_fn: TensorsFn) -> None:
         self._tensors_fn = tensors_fn
 
+    def set_hooks(self, fault=None, committed=None, copy_rejected=None) -> None:
+        """Who hears of the mirror thread's moments, on that thread: ``fault(iteration)``
+        after the seal, ``committed(iteration)``, ``copy_rejected(holder, owner, it, why)``."""
+        self.fault_hook, self.on_committed, self.on_copy_rejected = fault, committed, copy_rejected
+
     def set_topology(self, transport: MirrorTransport, rank_to_node: Sequence,
                      board=None) -> None:
         """(Re)connect to a generation: new transport, buddy placement and rejection board
@@ -158,6 +163,10 @@ class Mirror:
     def quiesce(self, timeout_s: float) -> bool:
         """Wait for the mirror thread to go idle (during recovery, after the abort)."""
         return self._jobs.quiesce(timeout_s)
+
+    def disconnect(self) -> None:
+        """The generation's transport is gone (aborted): none until ``set_topology``."""
+        self.transport = None
 
     def run_on_thread(self, fn: Callable[[], object]):
         """``fn()`` on the mirror thread once it is idle (measurements under the thread's

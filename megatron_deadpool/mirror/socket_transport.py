@@ -92,8 +92,8 @@ def local_address(toward: str, route=_route_source, environ=os.environ) -> str:
 def _create(ctx: TransportContext) -> "SocketTransport":
     if ctx.secret is None or ctx.gloo is None:
         raise DeadpoolError("the socket mirror transport needs the job secret and a gloo group")
-    return SocketTransport(ctx.store, ctx.rank, ctx.world_size, ctx.gloo, ctx.host, ctx.secret,
-                           ctx.gen, timeout_s=ctx.timeout_s)
+    return SocketTransport(ctx.store, ctx.rank, ctx.world_size, ctx.gloo, local_address(
+        ctx.store_host), ctx.secret, ctx.gen, timeout_s=ctx.timeout_s)
 
 
 class SocketTransport(MirrorTransport):

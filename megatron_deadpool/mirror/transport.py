@@ -207,7 +207,8 @@ class TransportContext:
     rank: int
     world_size: int
     gloo: Optional[MirrorTransport]     # the mirror's own gloo group (its collectives)
-    host: str = "127.0.0.1"             # the address a listener is published under
+    store_host: str = "127.0.0.1"       # the store's host: a listener is published on the
+                                        # route toward it (the factory resolves its address)
     secret: Optional[str] = None        # the job's (handshakes, signed addresses)
     gen: int = 0
     timeout_s: float = 600.0            # each operation's deadline

@@ -3,13 +3,15 @@ signal this process (``base/faults.py``); the other kinds are actions on what th
 protects (``attachment``: ``control/protected.py``), bound here by kind name: ``drop``
 makes this rank's holder refuse the copies that arrive, ``impostor`` starts a thread that
 attacks the mirror listeners (``mirror/impostor.py``), ``drain`` asks the decider to drain
-this process's node (membership/drain.py). Every delivery is reported to the
+this process's node (membership/drain.py), ``slow`` makes every later step burn
+(factor - 1) x the rank's compute per step (a straggler that still progresses). Every delivery is reported to the
 decider first (a ``fault_request`` event: it times detection from there)."""
 
 from __future__ import annotations
 
 import logging
-from typing import Callable
+import time
+from typing import Callable, Optional
 
 from ..base.faults import FaultPoints
 from ..membership.store import EventKind
@@ -28,9 +30,27 @@ def worker_fault_points(env, member, rank: Callable[[], int], attachment) -> Fau
         member.push_event(EventKind.DRAIN_REQUEST, node=env.node, reason="request",
                           text=f"--inject {fault.describe()}")
 
+    def slow(fault, iteration: int) -> Callable[[], None]:
+        return straggle(fault.factor, attachment.status()["compute_s"])
+
     actions = {"drop": lambda fault, it: attachment.drop_arrivals(it),
                "impostor": lambda fault, it: attachment.start_impostor(impostor.start),
                "drain": drain,
-               "slow": lambda fault, it: attachment.slow_down(fault.factor)}
+               "slow": slow}
     return FaultPoints(env.faults, rank=rank, node=env.node, claim=member.claim_fault,
                        report=report, actions=actions)
+
+
+def straggle(factor: float, compute_s: Optional[float],
+             clock: Callable[[], float] = time.perf_counter) -> Callable[[], None]:
+    """The ``slow`` kind's lasting effect: each call burns (factor - 1) x ``compute_s``
+    (this rank's compute per step as measured so far; none yet: nothing) on the CPU."""
+    burn_s = (factor - 1) * (compute_s or 0.0)
+    log.info("slow fault: each step burns %.3f s more (compute %.3f s)", burn_s,
+             compute_s or 0.0)
+
+    def burn() -> None:
+        end = clock() + burn_s
+        while clock() < end:
+            pass
+    return burn

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
+from ..base.state import Role
 from ..base.vocabulary import Event, Phase
 
 
@@ -78,11 +79,16 @@ class Attempt:
     cause: BaseException
     iteration_at_failure: Optional[int]   # None: a promoted spare's own restore
     timer: PhaseTimer
-    spare: bool = False                   # a promoted spare's own restore (Role.PROMOTED)
+    role: Role = Role.ACTIVE              # the rank's role: PROMOTED, a spare's own restore
     plan: Any = None                      # membership.plan.Plan, once taken
     old_groups: list = field(default_factory=list)
     restored: int = -1
     state_from: Optional[str] = None      # a spare's: "direct" (the draining rank) or "buddy"
+
+    @property
+    def spare(self) -> bool:
+        """A promoted spare's recovery: it joins, it has nothing to abort or to redo."""
+        return self.role is Role.PROMOTED
 
     def phase(self, phase: Optional[Phase]) -> None:
         """Begin timing ``phase`` (None: stop); the phase before it closes."""

@@ -83,6 +83,11 @@ class World:
         # what else an abort must wake: the mirror's own connections (protected.py)
         self.on_abort: Callable[[], None] = _nothing
 
+    def also_on_abort(self, wake: Callable[[], None]) -> None:
+        """What else a generation's abort must wake (any thread): e.g. the mirror's own
+        connections, which are not the communicators' (protected.py)."""
+        self.on_abort = wake
+
     def init_process_group(self, store, gen: int, rank: int, world_size: int) -> None:
         """Bounded by ``form_timeout_s(gen)`` while the world forms (a peer that dies now
         must not hold everyone for the collective timeout); ``set_collective_timeouts``
@@ -117,12 +122,15 @@ class World:
             bounds.append(self.gloo_op_timeout_s)
         return min(bounds)
 
-    def build_groups(self) -> None:
-        """Replay ``initialize_model_parallel`` with the recorded arguments; each group's
-        creation is bounded like the world's (not by megatron's default of 30 minutes), and
-        roles with the same members share one gloo group (shared_groups.py)."""
+    def build_groups(self, mp_kwargs: Optional[dict] = None) -> None:
+        """Replay ``initialize_model_parallel`` with the recorded arguments (``mp_kwargs``:
+        the first build's, recorded); each group's creation is bounded like the world's (not
+        by megatron's default of 30 minutes), and roles with the same members share one gloo
+        group (shared_groups.py)."""
         from megatron.core import parallel_state as ps
 
+        if mp_kwargs is not None:
+            self.mp_kwargs = dict(mp_kwargs)
         kwargs = dict(self.mp_kwargs or {})
         kwargs["distributed_timeout_minutes"] = self._form_timeout_s / 60
         with shared_gloo_groups(self.backend) as shared, ab.communicator_sockets():
