@@ -89,9 +89,10 @@ def build_summary(opts, cfg, results_dir, decider, store, codes, failed, wall_s,
             summary["startup_error"] = decider.startup_error
         if cfg.enabled and cfg.fallback_save_dir:
             summary["fallback_save"] = fallback_save(cfg.fallback_save_dir, opts.world_size)
+        restarted = {x["lid"] for x in decider.local.records}
         summary["standby_spares_at_end"] = sum(
             1 for p in decider.procs.values() if p.role is Role.SPARE and p.rank is None
-            and p.state != ProcState.DEAD and p.lid not in {x["lid"] for x in decider.local.records})
+            and p.state != ProcState.DEAD and p.lid not in restarted)
     return summary
 
 

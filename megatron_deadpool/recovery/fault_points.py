@@ -3,9 +3,10 @@ signal this process (``base/faults.py``); the other kinds are actions on what th
 protects (``attachment``: ``control/protected.py``), bound here by kind name: ``drop``
 makes this rank's holder refuse the copies that arrive, ``impostor`` starts a thread that
 attacks the mirror listeners (``mirror/impostor.py``), ``drain`` asks the decider to drain
-this process's node (membership/drain.py), ``slow`` makes every later step burn
-(factor - 1) x the rank's compute per step (a straggler that still progresses). Every delivery is reported to the
-decider first (a ``fault_request`` event: it times detection from there)."""
+this process's node (membership/drain.py), ``slow`` returns a lasting effect that makes
+every later step burn (factor - 1) x the rank's compute per step (a straggler that still
+progresses). Every delivery is reported to the decider first (a ``fault_request`` event: it
+times detection from there)."""
 
 from __future__ import annotations
 
