@@ -223,6 +223,32 @@ def test_a_slow_fault_burns_at_every_later_iteration_start_and_only_there():
     straggle(3.0, None)()  # no compute measured yet: burns nothing
 
 
+def test_a_slow_fault_burns_cpu_seconds_even_when_the_cpu_is_shared():
+    """The straggler check counts a rank's CPU seconds, so the slow fault burns CPU
+    seconds: with another thread taking half the time (the GIL, like a loaded machine), a
+    burn of 0.2 s still costs the burning thread 0.2 s of CPU (a wall-clock burn: ~0.1)."""
+    import threading
+
+    from megatron_deadpool.mirror.meter import cpu_clock
+    from megatron_deadpool.recovery.fault_points import straggle
+
+    stop = threading.Event()
+
+    def hog():
+        while not stop.is_set():
+            pass
+    t = threading.Thread(target=hog)
+    t.start()
+    try:
+        c0 = cpu_clock()
+        straggle(2.0, 0.2)()
+        burned = cpu_clock() - c0
+    finally:
+        stop.set()
+        t.join()
+    assert burned >= 0.2
+
+
 def _procs(compute, iteration):
     from megatron_deadpool.membership.procs import Proc
 

@@ -35,6 +35,7 @@ JOB_PARTS = ("copy", "seal", "exchange", "verify")  # a snapshot job's parts (ph
 CPU_WINDOW_START = 3  # steps before it (startup, first allocations) are not counted
 KEEP_TIMES = 256  # copy times kept for the snapshot statistics
 COMPUTE_STEPS = 5  # iterations in a rank's compute-time median (heartbeats carry it)
+cpu_clock = time.thread_time  # the calling thread's CPU s (the slow fault burns on it too)
 
 
 # ---------------------------------------------------------------- thread clocks
@@ -56,8 +57,7 @@ def thread_names() -> dict:
 def started_threads(before: dict, names, settle_s: float = 0.5) -> set:
     """Native ids of the threads called one of ``names`` that started after ``before`` (a
     ``thread_names()``). A new native thread carries its creator's name until it runs and
-    names itself, which can take a while on busy cores: wait for that, at most
-    ``settle_s``."""
+    names itself, which can take a while on busy cores: wait for that, at most settle_s."""
     creator = thread_names().get(threading.get_native_id())
     deadline = time.monotonic() + settle_s
     while True:

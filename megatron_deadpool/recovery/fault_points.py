@@ -11,12 +11,12 @@ times detection from there)."""
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable, Optional
 
 from ..base.faults import FaultPoints
 from ..membership.store import EventKind
 from ..mirror import impostor
+from ..mirror.meter import cpu_clock
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,11 @@ def worker_fault_points(env, member, rank: Callable[[], int], attachment) -> Fau
 
 
 def straggle(factor: float, compute_s: Optional[float],
-             clock: Callable[[], float] = time.perf_counter) -> Callable[[], None]:
+             clock: Callable[[], float] = cpu_clock) -> Callable[[], None]:
     """The ``slow`` kind's lasting effect: each call burns (factor - 1) x ``compute_s``
-    (this rank's compute per step as measured so far; none yet: nothing) on the CPU."""
+    (this rank's compute per step as measured so far; none yet: nothing) CPU seconds of
+    the calling thread. The straggler check counts CPU seconds too; a wall-clock burn would
+    get less CPU on a loaded machine and could stay under the check's factor."""
     burn_s = (factor - 1) * (compute_s or 0.0)
     log.info("slow fault: each step burns %.3f s more (compute %.3f s)", burn_s,
              compute_s or 0.0)
