@@ -57,6 +57,7 @@ class FaultDriver:
             for node in sorted({p.node for p in victims}):
                 lids = [p.lid for p in victims if p.node == node and p.lid != skip_lid]
                 if lids:
+                    self.decider.await_exits(lids)  # one failure, one plan
                     self.send_command(node, {"op": CommandOp.SIGNAL, "signal": SIGNALS[f.kind],
                                              "lids": lids})
         rec = {"kind": f.kind, "node": f.node, "rank": f.rank,

@@ -3,7 +3,7 @@ node 0, next to the store. Detection and fencing only: it reads the event queue 
 child exits, completions, fatal errors), watches heartbeats, fences hung processes through
 their node agent, and on failure publishes the next generation's plan (``plan.next_plan``)::
 
-    failure seen ──► grace window (collect the rest of the node) ──► next_plan (pure)
+    failure seen ──► window (collect the rest of the node: procs.window_over) ──► next_plan
         ──► write dp/plan/{g+1} ──► bump dp/latest  (workers' watchers abort their groups)
 
 Time comes from an injectable ``clock``, so tests advance it instead of sleeping.
@@ -22,7 +22,7 @@ from ..base.vocabulary import Event
 from . import plan as plans, store as st
 from .drain import DrainQueue, DrainRequest
 from .local_restart import LocalRestarts
-from .procs import AgentClock, Proc, ProcState, Role, scan
+from .procs import AgentClock, Proc, ProcState, Role, scan, window_over
 from .straggler import StragglerWatch
 from .store import CommandOp, EventKind
 
@@ -46,6 +46,7 @@ class Decider:
         self.cursor = 0
         self.pending_dead: Set[int] = set()
         self.pending_exits: Set[int] = set()  # those seen as process exits
+        self.signalled: Set[int] = set()  # sent an injected fault's signal (await_exits)
         self.first_dead_t: Optional[float] = None
         self.plans: List[plans.Plan] = []
         self.finished = False
@@ -88,6 +89,10 @@ class Decider:
         """A scheduled fault was delivered at ``t``: detection latency is measured from it."""
         self._fault_time = self._fault_time or t
 
+    def await_exits(self, lids) -> None:
+        """The fault driver signalled ``lids``: procs.window_over awaits their exits."""
+        self.signalled.update(lids)
+
     def max_iteration(self) -> int:
         return max((p.hb_iteration for p in self.procs.values() if p.rank is not None),
                    default=0)
@@ -105,8 +110,9 @@ class Decider:
         if now - self._last_hb_poll >= self.config.heartbeat_interval_s / 4:
             self._last_hb_poll = now
             self._poll_heartbeats(now)
-        if self.pending_dead and (now - self.first_dead_t >= self.config.grace_s
-                                  or self._failed_nodes_complete()):
+        if self.pending_dead and window_over(self.procs, self.pending_dead, self.pending_exits,
+                                             self.signalled, now - self.first_dead_t,
+                                             self.config):
             self._replan()
         elif not self.pending_dead and self.coord.generation_done(self.plans[-1]) and \
                 (req := self.drains.take()) is not None:  # a planned swap (drain.py)
@@ -227,13 +233,6 @@ class Decider:
                                       self._spawn_spare, self.emit, self.log)
         return starting and self.clock() - self.first_dead_t < self.config.local_restart_wait_s
 
-    def _failed_nodes_complete(self) -> bool:
-        """Every process of each node with a pending exit is dead (fenced and lost nodes
-        need no grace window: the heartbeat scan saw them all)."""
-        nodes = {self.procs[lid].node for lid in self.pending_dead & self.pending_exits}
-        return not any(p.node in nodes and p.state in (ProcState.ALIVE, ProcState.STARTING)
-                       for p in self.procs.values())
-
     def _pool(self) -> list:
         """Idle spares ``(lid, node)``, in process order."""
         return [(p.lid, p.node) for p in sorted(self.procs.values(), key=lambda q: q.lid)
@@ -265,6 +264,7 @@ class Decider:
                  f"(detected in {plan.detect_s:.3f}s)")
         self.pending_dead.clear()
         self.pending_exits.clear()
+        self.signalled.clear()
         self.first_dead_t = None
         self._waiting_logged, self._fault_time = False, None
 
