@@ -89,6 +89,8 @@ class NodeAgent:
             if code is not None:
                 self.exit_codes[lid] = code
                 exited.append((lid, code))
+                if code != 0:
+                    self._reap_group(p)
                 if self.use_store:
                     self.coord.push_event(EventKind.EXIT, lid=lid, code=code, node=self.node)
         if self.use_store:
@@ -131,6 +133,17 @@ class NodeAgent:
                     os.kill(p.pid, sig)
             except ProcessLookupError:
                 pass
+
+    @staticmethod
+    def _reap_group(p: subprocess.Popen) -> None:
+        """A worker that died (a crash, a kill it gave itself) leaves its children behind,
+        e.g. Megatron's checkpoint writer processes, which wait for it forever: about 250 MB
+        each on CPU, 60 of them filled this machine's memory over 60 kill-during-save runs
+        until the kernel killed ranks. The worker led its own session: end what is left."""
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def alive(self) -> List[int]:
         return [lid for lid, p in self.procs.items() if p.poll() is None]
