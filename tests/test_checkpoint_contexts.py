@@ -108,3 +108,38 @@ def test_rebuilt_iterators_per_model_chunk():
     assert [t is k[0] for t, k in zip(train, kept)] == [True, True]
     assert [next(t) for t in train] == ["train0.0", "train1.0"]
     assert its.valid() == valid and [next(v) for v in valid] == ["valid0.0", "valid1.0"]
+
+
+def test_a_build_after_a_restore_keeps_the_restored_consumed_samples():
+    """Megatron's build sets ``consumed_valid_samples`` from the iteration when it is 0
+    (checkpoints older than the counter). Restored to the first evaluation's iteration,
+    before it ran, 0 is real: the derived value made the redone evaluation count twice
+    (a CI run's fingerprint differed in ``consumed_valid_samples``, 96 against 80). Before
+    any restore the build's own rule stands (a --load of an old checkpoint)."""
+    from types import SimpleNamespace
+
+    from megatron_deadpool.adapters.iterators import PretrainIterators
+
+    args = SimpleNamespace(iteration=4, consumed_train_samples=32, consumed_valid_samples=0)
+    mod = _module()
+    orig = mod.build_train_valid_test_data_iterators
+
+    def build(provider):  # megatron/training/training.py's backward compatibility
+        if args.iteration > 0 and args.consumed_valid_samples == 0:
+            args.consumed_valid_samples = args.iteration // 4 * 2 * 8
+        return orig(provider)
+    mod.build_train_valid_test_data_iterators = build
+    its = PretrainIterators(get_args=lambda: args)
+    its.wrap(mod)
+    provider = lambda split: [f"{split}{i}" for i in range(4)]  # noqa
+    mod.build_train_valid_test_data_iterators(provider)
+    assert args.consumed_valid_samples == 16  # no restore yet: Megatron's rule
+    args.consumed_valid_samples = 0  # restored to iteration 4, before its evaluation
+    its.rebuild(mod, provider, chunks=None)
+    assert (args.consumed_train_samples, args.consumed_valid_samples) == (32, 0)
+    its2 = PretrainIterators(get_args=lambda: args)  # a promoted spare: restored first,
+    its2.restored()                                  # then pretrain() builds
+    mod.build_train_valid_test_data_iterators = build
+    its2.wrap(mod)
+    mod.build_train_valid_test_data_iterators(provider)
+    assert args.consumed_valid_samples == 0

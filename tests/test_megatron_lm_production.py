@@ -131,15 +131,18 @@ def test_production_flags_save_eval_and_load_through_a_swap(tree, reference, tmp
 
 @pytest.mark.parametrize("tag", ON_NEWEST_IN_CI)
 def test_a_node_killed_during_an_evaluation(tree, reference, tmp_path):
-    """Node 2 dies as the evaluation after iteration 8 begins. The restore lands before
-    that evaluation (its snapshot is taken first), so every rank, the promoted spares
-    included, runs it again: the same validation losses, consumed validation samples and
-    state as the failure-free run."""
+    """Node 2 dies as the first evaluation, after iteration 4, begins. The restore lands
+    before that evaluation (its snapshot is taken first), so every rank, the promoted
+    spares included, runs it again: the same validation losses, consumed validation
+    samples and state as the failure-free run. Before the first evaluation the restored
+    ``consumed_valid_samples`` is 0, which Megatron's iterator build took for a checkpoint
+    older than the counter and rewrote: the redone evaluation counted twice (a CI run
+    restored iteration 4 after a kill at 6 and ended with 96 validation samples, not 80)."""
     r, _, out_r = reference
     pk, k = _run(tree, tmp_path, "kill-in-eval", BASE + ["--save", str(tmp_path / "ck")],
-                 spares=1, inject=["kill:node=2@iter=8,phase=eval"])
+                 spares=1, inject=["kill:node=2@iter=4,phase=eval"])
     (rec,) = k["recoveries"]
-    assert rec["failed_ranks"] == [4, 5] and k["faults"][0]["at_iter"] == 8
+    assert rec["failed_ranks"] == [4, 5] and k["faults"][0]["at_iter"] == 4
     assert k["final_state_sha256"] == r["final_state_sha256"] and k["losses"] == r["losses"]
     assert _val_losses(pk.stdout + pk.stderr) == _val_losses(out_r)
 

@@ -14,13 +14,21 @@ from __future__ import annotations
 import functools
 from typing import Any, List, Optional, Tuple
 
+# Megatron's build derives these from ``args.iteration`` when they are 0 (checkpoints older
+# than the counters). After a DeadPool restore a 0 is real: restored to the first
+# evaluation's iteration, before it ran, ``consumed_valid_samples`` is 0, and the derived
+# value (one evaluation's samples) made the redone evaluation count twice.
+RESTORED_COUNTERS = ("consumed_train_samples", "consumed_valid_samples")
+
 
 class PretrainIterators:
-    def __init__(self) -> None:
+    def __init__(self, get_args=None) -> None:
+        self._get_args = get_args or _megatron_args  # Megatron's global args
         # (train, valid) of each build pretrain() made: one, or one per model chunk with
         # virtual pipeline stages (a list of iterators per kind, each chunk its own)
         self._built: List[Tuple[Any, Any]] = []
         self._recording = True  # pretrain()'s builds; a rebuild is not recorded
+        self._restored = False  # the counters on args come from a restore: builds keep them
 
     def wrap(self, training_module) -> None:
         """Record the (train, valid) iterators ``build_train_valid_test_data_iterators``
@@ -31,7 +39,11 @@ class PretrainIterators:
 
         @functools.wraps(orig)
         def build_train_valid_test_data_iterators(*a, **k):
+            args = self._get_args() if self._restored else None
+            kept = {c: getattr(args, c) for c in RESTORED_COUNTERS if hasattr(args, c)}
             out = orig(*a, **k)
+            for name, value in kept.items():
+                setattr(args, name, value)
             if self._recording:
                 self._built.append((out[0], out[1]))
             return out
@@ -39,6 +51,11 @@ class PretrainIterators:
         build_train_valid_test_data_iterators._deadpool_iterators = self
         training_module.build_train_valid_test_data_iterators = \
             build_train_valid_test_data_iterators
+
+    def restored(self) -> None:
+        """The training state was restored by DeadPool (a promoted spare's attach, before
+        pretrain() builds its iterators; every rebuild): builds keep RESTORED_COUNTERS."""
+        self._restored = True
 
     def valid(self) -> Any:
         """The valid iterator pretrain() and train() hold (a list per model chunk with
@@ -63,6 +80,7 @@ class PretrainIterators:
         providers = [dataset_provider] if chunks is None else \
             [_for_stage(dataset_provider, vp) for vp in range(chunks)]
         self._recording = False
+        self.restored()
         quiet = CollectiveSuppressor()
         quiet.start()
         try:
@@ -75,6 +93,14 @@ class PretrainIterators:
         if chunks is None:
             return pairs[0]
         return [t for t, _ in pairs], [v for _, v in pairs]
+
+
+def _megatron_args():
+    try:
+        from megatron.training.global_vars import get_args
+    except ImportError:  # megatron-core alone (no training loop): no counters to keep
+        return None
+    return get_args()
 
 
 def _for_stage(provider, vp_stage: int):

@@ -147,6 +147,7 @@ def attach(model, optimizer, scheduler, dataset_provider=None) -> None:
     _S.handle.attach(model=model, optimizer=optimizer, scheduler=scheduler,
                      train_state=_S.state)
     if _S.handle.promoted:
+        _S.iterators.restored()  # pretrain() builds its iterators next, at restored counters
         _S.evaluations.arm(_S.args, _S.state.iteration, _S.handle.restored_meta)
         _S.quiet = CollectiveSuppressor()
         _S.quiet.start()
