@@ -127,7 +127,9 @@ def test_a_build_after_a_restore_keeps_the_restored_consumed_samples():
     def build(provider):  # megatron/training/training.py's backward compatibility
         if args.iteration > 0 and args.consumed_valid_samples == 0:
             args.consumed_valid_samples = args.iteration // 4 * 2 * 8
+        starts.append(args.consumed_valid_samples)  # where the valid loader starts
         return orig(provider)
+    starts = []
     mod.build_train_valid_test_data_iterators = build
     its = PretrainIterators(get_args=lambda: args)
     its.wrap(mod)
@@ -137,9 +139,10 @@ def test_a_build_after_a_restore_keeps_the_restored_consumed_samples():
     args.consumed_valid_samples = 0  # restored to iteration 4, before its evaluation
     its.rebuild(mod, provider, chunks=None)
     assert (args.consumed_train_samples, args.consumed_valid_samples) == (32, 0)
+    assert starts == [16, 0] and args.iteration == 4  # the loader starts at the restored 0
     its2 = PretrainIterators(get_args=lambda: args)  # a promoted spare: restored first,
-    its2.restored()                                  # then pretrain() builds
+    its2.restored()  # then pretrain() builds
     mod.build_train_valid_test_data_iterators = build
     its2.wrap(mod)
     mod.build_train_valid_test_data_iterators(provider)
-    assert args.consumed_valid_samples == 0
+    assert args.consumed_valid_samples == 0 and starts[-1] == 0 and args.iteration == 4

@@ -11,14 +11,10 @@ stream.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, List, Optional, Tuple
 
-# Megatron's build derives these from ``args.iteration`` when they are 0 (checkpoints older
-# than the counters). After a DeadPool restore a 0 is real: restored to the first
-# evaluation's iteration, before it ran, ``consumed_valid_samples`` is 0, and the derived
-# value (one evaluation's samples) made the redone evaluation count twice.
-RESTORED_COUNTERS = ("consumed_train_samples", "consumed_valid_samples")
 
 
 class PretrainIterators:
@@ -40,10 +36,8 @@ class PretrainIterators:
         @functools.wraps(orig)
         def build_train_valid_test_data_iterators(*a, **k):
             args = self._get_args() if self._restored else None
-            kept = {c: getattr(args, c) for c in RESTORED_COUNTERS if hasattr(args, c)}
-            out = orig(*a, **k)
-            for name, value in kept.items():
-                setattr(args, name, value)
+            with _counters_as_restored(args):
+                out = orig(*a, **k)
             if self._recording:
                 self._built.append((out[0], out[1]))
             return out
@@ -54,7 +48,8 @@ class PretrainIterators:
 
     def restored(self) -> None:
         """The training state was restored by DeadPool (a promoted spare's attach, before
-        pretrain() builds its iterators; every rebuild): builds keep RESTORED_COUNTERS."""
+        pretrain() builds its iterators; every rebuild): builds start the loaders at the
+        restored counters (_counters_as_restored)."""
         self._restored = True
 
     def valid(self) -> Any:
@@ -93,6 +88,24 @@ class PretrainIterators:
         if chunks is None:
             return pairs[0]
         return [t for t, _ in pairs], [v for _, v in pairs]
+
+
+@contextlib.contextmanager
+def _counters_as_restored(args):
+    """Megatron's build rewrites a consumed-samples counter of 0 from ``args.iteration``
+    (checkpoints older than the counters) and starts that loader there. After a restore a
+    0 is real: restored to the first evaluation's iteration, before it ran,
+    ``consumed_valid_samples`` is 0, and the rewrite (one evaluation's samples) made the
+    redone evaluation read later batches and count twice. So the build sees iteration 0;
+    its only other reader, ``--phase-transition-iterations``, is refused with --deadpool."""
+    if args is None or not getattr(args, "iteration", 0):
+        yield
+        return
+    iteration, args.iteration = args.iteration, 0
+    try:
+        yield
+    finally:
+        args.iteration = iteration
 
 
 def _megatron_args():
