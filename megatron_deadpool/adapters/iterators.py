@@ -16,7 +16,6 @@ import functools
 from typing import Any, List, Optional, Tuple
 
 
-
 class PretrainIterators:
     def __init__(self, get_args=None) -> None:
         self._get_args = get_args or _megatron_args  # Megatron's global args
@@ -24,7 +23,7 @@ class PretrainIterators:
         # virtual pipeline stages (a list of iterators per kind, each chunk its own)
         self._built: List[Tuple[Any, Any]] = []
         self._recording = True  # pretrain()'s builds; a rebuild is not recorded
-        self._restored = False  # the counters on args come from a restore: builds keep them
+        self._restored = False  # the counters on args come from a DeadPool restore
 
     def wrap(self, training_module) -> None:
         """Record the (train, valid) iterators ``build_train_valid_test_data_iterators``

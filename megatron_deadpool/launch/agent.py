@@ -137,9 +137,9 @@ class NodeAgent:
     @staticmethod
     def _reap_group(p: subprocess.Popen) -> None:
         """A worker that died (a crash, a kill it gave itself) leaves its children behind,
-        e.g. Megatron's checkpoint writer processes, which wait for it forever: about 250 MB
-        each on CPU, 60 of them filled this machine's memory over 60 kill-during-save runs
-        until the kernel killed ranks. The worker led its own session: end what is left."""
+        e.g. Megatron's checkpoint writer processes, which wait for it forever (about 250 MB
+        each on CPU; about 60 kill-during-save runs filled a machine's memory with them).
+        The worker led its own session: end what is left."""
         try:
             os.killpg(p.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
