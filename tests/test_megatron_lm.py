@@ -143,6 +143,7 @@ def test_supported_config_passes():
     (dict(step_batch_size_schedule="1:8"), "--step-batch-size-schedule"),
     (dict(exit_signal_handler_for_training=True), "--exit-signal-handler-for-training"),
     (dict(gtp_weight_remat_size=2), "--tensor-parallel-num-weight-shards"),
+    (dict(fp8="hybrid"), "--fp8-format"),
 ])
 def test_each_refusal_names_its_flag(kw, needle):
     found = lm_rules.unsupported_args(_args(**kw))
@@ -163,6 +164,8 @@ def test_cpu_flags_added_only_when_missing():
 
 def test_unsupported_argv_matches_the_parsed_rules():
     assert lm_rules.unsupported_argv(["--use-distributed-optimizer", "--num-layers", "2"]) == []
+    assert lm_rules.unsupported_argv(["--use-distributed-optimizer", "--fp8-format",
+                                      "e4m3"]) == [lm_rules.unsupported_args(_args(fp8="e4m3"))[0]]
     assert lm_rules.unsupported_argv([]) == [lm_rules.unsupported_args(_args(
         use_distributed_optimizer=False))[0]]
     bad = lm_rules.unsupported_argv(["--use-distributed-optimizer", "--async-save",
@@ -189,7 +192,8 @@ def test_launch_refuses_before_any_worker_starts(mlm_tree, tmp_path):
     p = deadpool(launch + flags, cwd=tmp_path, timeout=60)
     assert p.returncode == 2 and "not patched" in p.stderr and "apply_patches.sh" in p.stderr
     assert apply_patches(mlm_tree).returncode == 0
-    p = deadpool(launch + flags + ["--async-save"], cwd=tmp_path, timeout=60)
+    p = deadpool(launch + flags + ["--fp8-format", "hybrid"], cwd=tmp_path, timeout=60)
     assert p.returncode == 2, p.stderr
-    assert "does not support: --async-save" in p.stderr
+    (line,) = [x for x in p.stderr.splitlines() if "FP8" in x]  # one line names FP8
+    assert "does not support: --fp8-format" in line, p.stderr
     assert "Traceback" not in p.stderr

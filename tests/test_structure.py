@@ -21,7 +21,7 @@ LAYERS = [
         "mirror": ["placement", "snapshot", "transport", "socket_transport", "handshake",
                    "metadata", "impostor", "threads", "d2h", "cost", "meter", "flat", "commit",
                    "held", "jobs", "mirror", "persist", "handoff"],
-        "adapters": ["support", "shard", "train_state", "cpu_standins", "cpu_mode", "lm_rules",
+        "adapters": ["support", "shard", "extra_state", "train_state", "cpu_standins", "cpu_mode", "lm_rules",
                      "checkpoints", "iterators", "ddp", "training_globals", "tags",
                      "evaluation"],
         "recovery": ["phases", "classify", "abort", "quiet", "reaper", "rebind", "restore",

@@ -28,6 +28,8 @@ def unsupported_args(args) -> List[str]:
         (not g("use_distributed_optimizer"), "training without --use-distributed-optimizer "
          "(DeadPool mirrors distributed-optimizer shards)"),
         (g("async_save"), "--async-save (a background save worker holds old groups)"),
+        (g("fp8") is not None, "--fp8-format (FP8: Transformer Engine's scaling state is "
+         "mirrored, but a swap under FP8 has not yet run on a GPU)"),
         (g("non_persistent_ckpt_type") == "local", "--non-persistent-ckpt-type local"),
         ((g("context_parallel_size") or 1) > 1, "--context-parallel-size > 1"),
         ((g("num_distributed_optimizer_instances") or 1) > 1,
@@ -88,6 +90,7 @@ def unsupported_argv(argv: List[str]) -> List[str]:
         p.add_argument(flag, type=int, default=1)
     for flag in ("--deadpool-resume", "--deadpool-fallback-save"):
         p.add_argument(flag, default=None)
+    p.add_argument("--fp8-format", dest="fp8", default=None)
     for flag in ("--non-persistent-ckpt-type", "--dataloader-type", "--yaml-cfg",
                  "--cuda-graph-impl", "--step-batch-size-schedule"):
         p.add_argument(flag, default=None)

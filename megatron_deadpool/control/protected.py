@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ..adapters import ddp, shard
+from ..adapters import ddp, extra_state, shard
 from ..adapters import train_state as ts
 from ..adapters.support import check_supported, parallel_layout, step_barrier
 from ..base.errors import DeadpoolError
@@ -190,6 +190,9 @@ class Protected:
             meta["rng"] = ts.compact_rng(meta["rng"])
             meta["optimizer_state_empty"] = shard.optimizer_state_empty(self.optimizer)
             meta["param_groups"] = shard.group_state(self.optimizer)
+            modules = extra_state.capture(self.model)  # TE's FP8 scaling state
+            if modules:
+                meta["module_extra_state"] = modules
         return meta
 
     # ---------------------------------------------------------------- recovery
@@ -259,6 +262,7 @@ class Protected:
     def _apply(self, meta: dict) -> None:
         shard.load_group_state(self.optimizer, meta["param_groups"])
         ts.apply(meta, self.train_state, self.scheduler, self.optimizer)
+        extra_state.apply(self.model, meta.get("module_extra_state", {}))
         self.restored_meta = meta
 
     def settle_snapshot(self) -> None:
