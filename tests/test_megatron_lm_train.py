@@ -28,7 +28,6 @@ NEWEST = "core_v0.19.0"
 OLDER = "core_v0.16.1"
 ON_NEWEST_IN_CI = [pytest.param(NEWEST, marks=pytest.mark.ci, id=NEWEST),
                    pytest.param(OLDER, id=OLDER)]
-ON_BOTH_IN_CI = [pytest.param(t, marks=pytest.mark.ci, id=t) for t in (NEWEST, OLDER)]
 
 _TREES = {}
 
@@ -75,9 +74,12 @@ def test_patched_script_is_deterministic(run, tag):
     assert a["recoveries"] == [] and a["mirror"]["mirror_bytes_per_rank"] > 0
 
 
-@pytest.mark.parametrize("tag", ON_BOTH_IN_CI)
+@pytest.mark.parametrize("tag", [pytest.param(NEWEST, id=NEWEST),
+                                 pytest.param(OLDER, marks=pytest.mark.ci, id=OLDER)])
 def test_hot_swap_in_the_real_script(run, tag):
-    """The must-show of both tags: node 1 killed at 7, bitwise with the failure-free run."""
+    """The must-show of both tags: node 1 killed at 7, bitwise with the failure-free run.
+    CI runs it on the older tag; on the newest, CI's test_bf16_through_a_swap makes the
+    same checks on the same flags in bf16 (test_megatron_lm_recipe.py)."""
     ref = run(tag, "deadpool-a", "patched", FLAGS + ["--deadpool"], spares=1)
     s = run(tag, "deadpool-kill", "patched", FLAGS + ["--deadpool"], spares=1,
             inject=["kill:node=1@iter=7"])
