@@ -23,7 +23,7 @@ LAYERS = [
                    "held", "jobs", "mirror", "persist", "handoff"],
         "adapters": ["support", "shard", "extra_state", "train_state", "cpu_standins", "cpu_mode", "lm_rules",
                      "checkpoints", "iterators", "ddp", "training_globals", "tags",
-                     "evaluation"],
+                     "evaluation", "async_saves", "cadence"],
         "recovery": ["phases", "classify", "abort", "quiet", "reaper", "rebind", "restore",
                      "shared_groups", "stall", "world", "fault_points", "formation", "alarms",
                      "fallback", "boundary"]}),

@@ -27,7 +27,8 @@ def unsupported_args(args) -> List[str]:
          "restarts the job on a failure that DeadPool recovers in place"),
         (not g("use_distributed_optimizer"), "training without --use-distributed-optimizer "
          "(DeadPool mirrors distributed-optimizer shards)"),
-        (g("async_save"), "--async-save (a background save worker holds old groups)"),
+        (g("async_save") and g("async_strategy") == "nvrx", "--async-save with --async-"
+         "strategy nvrx (core_v0.19.0's default; untested through a swap: use mcore)"),
         (g("fp8") is not None, "--fp8-format (FP8: Transformer Engine's scaling state is "
          "mirrored, but a swap under FP8 has not yet run on a GPU)"),
         (g("non_persistent_ckpt_type") == "local", "--non-persistent-ckpt-type local"),
@@ -92,7 +93,7 @@ def unsupported_argv(argv: List[str]) -> List[str]:
         p.add_argument(flag, default=None)
     p.add_argument("--fp8-format", dest="fp8", default=None)
     for flag in ("--non-persistent-ckpt-type", "--dataloader-type", "--yaml-cfg",
-                 "--cuda-graph-impl", "--step-batch-size-schedule"):
+                 "--cuda-graph-impl", "--step-batch-size-schedule", "--async-strategy"):
         p.add_argument(flag, default=None)
     p.add_argument("--rampup-batch-size", nargs="*", default=None)
     p.add_argument("--phase-transition-iterations", default=None)

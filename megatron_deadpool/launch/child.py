@@ -69,6 +69,9 @@ def _prepare(device: Optional[str]):
         cpu_mode.enable()
         torch.set_num_threads(1)
         torch.use_deterministic_algorithms(True)
+        from ..adapters import async_saves
+
+        async_saves.cpu_writer()  # --async-save's writer process: the CPU layer on too
     from megatron.training import training
 
     from ..megatron import lm

@@ -3,9 +3,8 @@ Megatron-LM (tag core_v0.16.1). Each patch hunk is one call into this module; th
 here, on top of the same public API (``api.Deadpool``) the reference trainer uses.
 
     arguments.py   add_megatron_arguments: parser = lm.add_args(parser)
-    initialize.py  _initialize_distributed: lm.join(args)          (a spare blocks here;
-                   with --deadpool it wraps training.py's save_checkpoint, evaluate_and_
-                   print_results, build_train_valid_test_data_iterators in their sections)
+    initialize.py  _initialize_distributed: lm.join(args)   (a spare blocks here; with
+                   --deadpool it wraps training.py's save, eval, data builds in sections)
                    lm.initialize_model_parallel(...)               (recorded for replay)
     training.py    pretrain(): lm.attach(model, optimizer, scheduler, dataset_provider)
                    train():    is_first_iteration = not lm.promoted()
@@ -16,8 +15,7 @@ here, on top of the same public API (``api.Deadpool``) the reference trainer use
                                except Exception as exc:
                                    (iteration, flops, train_iter, valid_iter,
                                     pre_hook_enabled) = lm.recover(exc)
-    end            ``deadpool launch --script`` runs the script through
-                   ``launch/child.py``, which calls lm.finish() after it returns.
+    end            ``deadpool launch --script`` (launch/child.py) calls lm.finish().
 
 With ``--deadpool`` off every call is a no-op (``recover`` re-raises), so the patched script
 trains exactly like the unpatched one.
@@ -34,7 +32,7 @@ from typing import Any, Callable, Optional
 from ..base.config import DeadpoolConfig, add_deadpool_args
 from ..base.errors import ConfigError, UnsupportedConfigError
 from ..recovery.quiet import CollectiveSuppressor
-from ..adapters import ddp, tags, training_globals
+from ..adapters import async_saves, cadence, ddp, tags, training_globals
 from ..adapters.checkpoints import CheckpointContexts
 from ..adapters.evaluation import Evaluations
 from ..adapters.iterators import PretrainIterators
@@ -56,6 +54,7 @@ class _Session:
     checkpoints: CheckpointContexts = field(default_factory=CheckpointContexts)
     iterators: PretrainIterators = field(default_factory=PretrainIterators)
     evaluations: Evaluations = field(default_factory=Evaluations)
+    saves: cadence.Saves = field(default_factory=cadence.Saves)  # the checkpoint cadence
     tag: Optional[tags.Tag] = None  # the Megatron-LM tree's (tags.py), with --deadpool
     train_args: Optional[dict] = None  # what pretrain() gave train() (_wrap_train)
     start_iteration: Optional[int] = None  # the first iteration train() ran in this process
@@ -148,7 +147,7 @@ def attach(model, optimizer, scheduler, dataset_provider=None) -> None:
                      train_state=_S.state)
     if _S.handle.promoted:
         _S.iterators.restored()  # pretrain() builds its iterators next, at restored counters
-        _S.evaluations.arm(_S.args, _S.state.iteration, _S.handle.restored_meta)
+        _arm_redos()
         _S.quiet = CollectiveSuppressor()
         _S.quiet.start()
 
@@ -173,7 +172,7 @@ def before_step(iteration: int) -> None:
 
 def _end_solitary_startup(iteration: int) -> None:
     """A promoted spare's collectives are real again (restored RNG re-applied); on every
-    rank, a restore's redone evaluation runs (evaluation.py)."""
+    rank, a restore's redone evaluation, then its save run (evaluation.py, cadence.py)."""
     from megatron.training import training
 
     if _S.quiet is not None:
@@ -182,6 +181,12 @@ def _end_solitary_startup(iteration: int) -> None:
         _reapply_rng()
     _S.evaluations.run_if_due(training, iteration, _S.iterators.valid(), _S.train_args,
                               _S.tag.eval_kwargs)
+    _S.saves.run_if_due(training, _S.args, iteration, _S.state.flops, _S.train_args)
+
+
+def _arm_redos() -> None:  # after a restore: the evaluation and save due at its iteration
+    for redo in (_S.evaluations, _S.saves):
+        redo.arm(_S.args, _S.state.iteration, _S.handle.restored_meta)
 
 
 def _wrap_train(training_module) -> None:
@@ -231,8 +236,9 @@ def recover(exc: BaseException):
     whether the forward pre-hooks are on)."""
     if not _enabled():
         raise exc
-    # the cached save strategies hold the old groups: gone before the rebuild and its audit
-    _S.checkpoints.forget_groups()  # (the next --save builds them on the new groups)
+    # the cached save strategies and unfinalized async saves hold the old groups: gone
+    _S.checkpoints.forget_groups()  # before the rebuild and its audit (the next --save
+    async_saves.abandon(_S.args)    # builds them on the new groups)
     _S.handle.recover(exc)
     from megatron.training import training
 
@@ -241,7 +247,7 @@ def recover(exc: BaseException):
     _reapply_rng()
     training_globals.reset_after_restore(_S.state.iteration)
     _S.tag.forget_collective_caches(_S.optimizer)
-    _S.evaluations.arm(_S.args, _S.state.iteration, _S.handle.restored_meta)
+    _arm_redos()
     # --overlap-param-gather: pre-hooks on as in a failure-free run (off in the first step)
     it = _S.state.iteration  # (at the last iteration the loop ends: no hooks, no sync)
     hooks_on, _S.held_param_sync = ddp.realign_forward_pre_hooks(
@@ -250,11 +256,9 @@ def recover(exc: BaseException):
 
 
 def _reapply_rng() -> None:
-    from ..adapters import train_state as state_io
-
-    meta = _S.handle.restored_meta
-    if meta is not None:
-        state_io.apply_rng(meta["rng"])
+    if _S.handle.restored_meta is not None:
+        from ..adapters.train_state import apply_rng
+        apply_rng(_S.handle.restored_meta["rng"])
 
 
 # ---------------------------------------------------------------------------- end
