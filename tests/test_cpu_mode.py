@@ -57,3 +57,50 @@ def test_every_stand_in():
     p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0 and "CPU-MODE-OK" in p.stdout, p.stdout + p.stderr
+
+
+# Two gloo ranks: rank 0 sends a stage output through megatron-core's overlapped p2p path
+# (the interleaved schedule's), then frees it as the schedule does before waiting on the send;
+# rank 1 posts its receive only after that, so the send reads the memory then.
+P2P = textwrap.dedent("""
+    import os
+    import sys
+    import torch
+    import torch.distributed as dist
+    from megatron_deadpool.adapters import cpu_mode
+    cpu_mode.enable()
+    from megatron.core.pipeline_parallel import p2p_communication as p2p
+    from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
+    rank, store = int(sys.argv[1]), dist.FileStore(sys.argv[2], 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    sent = torch.arange(4096, dtype=torch.float32).to(torch.bfloat16).view(32, 2, 64)
+    none = dict(tensor_send_prev=None, tensor_recv_next=None, group=dist.group.WORLD,
+                prev_pipeline_rank=1 - rank, next_pipeline_rank=1 - rank)
+    if rank == 0:
+        out = sent.clone().requires_grad_()
+        reqs = p2p._p2p_ops(tensor_send_next=out, tensor_recv_prev=None, **none)
+        deallocate_output_tensor(out, True)
+        later = [torch.full_like(sent, float("nan")) for _ in range(8)]  # reuse freed memory
+        store.set("freed", "1")
+        reqs["send_next"].wait()
+    else:
+        store.wait(["freed"])
+        got = torch.empty_like(sent)
+        p2p._p2p_ops(tensor_send_next=None, tensor_recv_prev=got, **none)["recv_prev"].wait()
+        print("RECEIVED-AS-SENT" if torch.equal(got, sent) else f"CORRUPT {got.flatten()[:4]}")
+    sys.stdout.flush()
+    os._exit(0)  # (gloo's teardown waits some 10 s for the peer)
+""")
+
+
+def test_overlapped_p2p_send_survives_the_output_deallocation(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    args = [sys.executable, "-c", P2P]
+    store = str(tmp_path / "store")
+    sender = subprocess.Popen(args + ["0", store], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    recv = subprocess.run(args + ["1", store], env=env, capture_output=True, text=True,
+                          timeout=300)
+    out, err = sender.communicate(timeout=60)
+    assert sender.returncode == 0, out + err
+    assert recv.returncode == 0 and "RECEIVED-AS-SENT" in recv.stdout, recv.stdout + recv.stderr

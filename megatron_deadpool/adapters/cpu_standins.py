@@ -14,6 +14,11 @@ module does, in plain torch, and nothing else:
   the stand-in does the same on 0.16.1.
 * ``empty_adam_state_dict``: ``--load`` on the fp32 torch-Adam path (below), including a
   ``step`` tensor that the load shares between all parameters (``_unshare_steps``).
+* ``overlapped_p2p_sends``: the interleaved pipeline's overlapped p2p (``_p2p_ops``) on gloo.
+  The schedule frees each sent output (``deallocate_output_tensor``: ``out.data = ...``)
+  before it waits on its ``isend``; gloo's send work keeps the tensor object, whose storage
+  that swap frees, so the send read freed memory (bf16 + VPP: NaN at iteration 1; fp32 +
+  VPP: silently different gradients). Each send request keeps the sent storage until waited.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ def install() -> None:
     sequence_parallel_norm()
     moe_router_gemm()
     empty_adam_state_dict()
+    overlapped_p2p_sends()
 
 
 def sequence_parallel_norm() -> None:
@@ -123,3 +129,43 @@ def _unshare_steps(inner) -> None:
             if id(step) in seen:
                 state["step"] = step.detach().clone()
             seen.add(id(state["step"]))
+
+
+class _KeepSent:
+    """A p2p request that holds the storage it sends from until it is waited on."""
+
+    def __init__(self, req, sent: torch.Tensor):
+        self._req, self._sent = req, sent
+
+    def wait(self, *args, **kwargs):
+        out = self._req.wait(*args, **kwargs)
+        self._sent = None
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._req, name)
+
+
+def overlapped_p2p_sends() -> None:
+    """megatron-core's non-batched p2p path (``_p2p_ops``, the interleaved schedule's
+    overlapped p2p) returns un-waited ``isend`` requests, and the schedule then frees the
+    sent output's storage (``deallocate_output_tensor``). NCCL orders that by CUDA streams;
+    gloo's ``SendWork`` keeps only the tensor object, so its send read freed, reused memory.
+    Each send request here keeps a second reference to the sent storage until its wait."""
+    try:
+        from megatron.core.pipeline_parallel import p2p_communication as p2p
+    except ImportError:  # megatron-core not installed: nothing to patch
+        return
+    orig = getattr(p2p, "_p2p_ops", None)
+    if orig is None or getattr(orig, "_deadpool_cpu", False):
+        return
+
+    def _p2p_ops(**kwargs):
+        reqs = orig(**kwargs)
+        for key, name in (("send_next", "tensor_send_next"), ("send_prev", "tensor_send_prev")):
+            if key in reqs:
+                reqs[key] = _KeepSent(reqs[key], kwargs[name].detach())
+        return reqs
+
+    _p2p_ops._deadpool_cpu = True
+    p2p._p2p_ops = _p2p_ops
