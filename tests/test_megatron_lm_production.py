@@ -181,22 +181,27 @@ def test_must_show_pairs(tree, tmp_path, extra):
 def test_a_node_killed_during_a_save(tree, reference, tmp_path):
     """Node 1 dies as the iteration-12 save begins (the last iteration: the restore ends
     the loop, and the redone evaluation runs after it): the job recovers and ends at the
-    failure-free state; the interrupted save is not taken as complete (Megatron's tracker
-    still names iteration 8, whose tensors equal the failure-free run's), and ``--load``
-    resumes from 8 exactly as from the failure-free run's checkpoint 8."""
+    failure-free state. The interrupted save is not taken as complete: it is written
+    again (the step redone after a restore to 11, or adapters/cadence.py after one to
+    12), so the tracker names 12 and the directory holds the failure-free run's
+    iterations, with equal tensors; ``--load`` of the rewritten 12 resumes exactly as
+    from the failure-free run's 12."""
     r, ck_r, _ = reference
     _, k = _run(tree, tmp_path, "kill-in-save", BASE + ["--save", str(tmp_path / "ck")],
                 spares=1, inject=["kill:node=1@iter=12,phase=save"])
     assert len(k["recoveries"]) == 1 and k["faults"][0]["at_iter"] == 12
     assert k["final_state_sha256"] == r["final_state_sha256"] and k["losses"] == r["losses"]
     tracker = tmp_path / "ck" / "latest_checkpointed_iteration.txt"
-    assert tracker.read_text().strip() == "8"
+    assert tracker.read_text().strip() == "12"  # before the cadence was kept: 8
     (rec,) = k["recoveries"]
     assert rec["restored_iter"] in (11, 12), rec  # 12 once its snapshot committed
-    c = compare(tree, str(tmp_path / "ck" / "iter_0000008"), str(ck_r / "iter_0000008"))
-    assert c["equal"] and c["tensors"] > 0, c
+    names = sorted(p.name for p in (tmp_path / "ck").glob("iter_*"))
+    assert names == sorted(p.name for p in ck_r.glob("iter_*")), names
+    for it in ("iter_0000008", "iter_0000012"):
+        c = compare(tree, str(tmp_path / "ck" / it), str(ck_r / it))
+        assert c["equal"] and c["tensors"] > 0, (it, c)
     a = _load_run(tree, tmp_path, tmp_path / "ck", "resume-k")
-    b = _load_run(tree, tmp_path, ck_r, "resume-r", at=8)
+    b = _load_run(tree, tmp_path, ck_r, "resume-r")
     assert a["final_state_sha256"] == b["final_state_sha256"] and a["losses"] == b["losses"]
 
 
