@@ -54,7 +54,8 @@ make_venv() {
         "$venv/bin/python" - "$site" <<'EOF'
 import sys, sysconfig, pathlib
 pth = pathlib.Path(sysconfig.get_paths()["purelib"]) / "_deadpool_base_venv.pth"
-pth.write_text(sys.argv[1] + "\n")
+# addsitedir, not a bare path: the base's own .pth files (its editable install) run too
+pth.write_text(f"import site; site.addsitedir({sys.argv[1]!r})\n")
 EOF
         echo "reusing $base's packages (torch, megatron-core, megatron-deadpool)"
     else
@@ -85,7 +86,7 @@ install_nvrx() {
 }
 
 check() {
-    "$venv/bin/python" -c 'import nvidia_resiliency_ext.fault_tolerance as ft; print("fault_tolerance imports:", ft.__name__)'
+    "$venv/bin/python" -c 'import nvidia_resiliency_ext.fault_tolerance as ft; import megatron_deadpool, torch; print("fault_tolerance imports:", ft.__name__, "; torch", torch.__version__, "and megatron_deadpool import")'
     "$venv/bin/ft_launcher" --help >/dev/null
     echo "ft_launcher --help: ok"
     "$venv/bin/python" - <<'EOF'
