@@ -44,19 +44,20 @@ def main() -> int:
     print(f"fault_matrix: runs in {work}", flush=True)
     for layout in layouts:
         refs = {}
-        for iters in sorted({s.iters for s in scenarios}):
-            p, ref = launch(work, trainer_flags(layout, iters=iters), spares=1,
-                            name=f"ref-{layout}-{iters}")
+        for n, key in enumerate(sorted({s.reference_key() for s in scenarios})):
+            iters, trajectory = key
+            p, ref = launch(work, trainer_flags(layout, trajectory, iters=iters), spares=1,
+                            name=f"ref-{layout}-{iters}-{n}")
             if p.returncode != 0:
                 print(f"reference run failed for {layout}:\n{p.stdout[-3000:]}",
                       file=sys.stderr)
                 return 1
-            refs[iters] = ref["final_state_sha256"]
+            refs[key] = ref["final_state_sha256"]
         for s in scenarios:
             t0 = time.time()
-            p, summary = launch(work, trainer_flags(layout, s.flags, s.iters), spares=s.spares,
-                                inject=s.inject, name=f"{layout}-{s.name}")
-            cells[(s.name, layout)] = judge(s, p.returncode, summary, refs[s.iters])
+            p, summary = launch(work, trainer_flags(layout, s.trajectory + s.flags, s.iters),
+                                spares=s.spares, inject=s.inject, name=f"{layout}-{s.name}")
+            cells[(s.name, layout)] = judge(s, p.returncode, summary, refs[s.reference_key()])
             (work / f"{layout}-{s.name}.log").write_text(p.stdout + p.stderr)  # for a post-mortem
             recs = [r for r in (summary or {}).get("recoveries", []) if not r.get("superseded")]
             total_s[(s.name, layout)] = max((r["total_s"] for r in recs), default=None)

@@ -31,6 +31,12 @@ class Scenario:
     unprotected: bool = False  # the summary must report rejected copies and UNPROTECTED ranks
     refused_peers: int = 0    # at least this many mirror connections refused (impostors)
     drains: Optional[int] = None  # planned swaps applied, each with nothing redone
+    trajectory: Tuple[str, ...] = ()  # flags that change the training itself (--bf16): the
+    # failure-free reference runs with them too
+
+    def reference_key(self) -> Tuple[int, Tuple[str, ...]]:
+        """What the scenario's failure-free reference run depends on."""
+        return self.iters, self.trajectory
 
 
 SCENARIOS = [
@@ -44,6 +50,8 @@ SCENARIOS = [
              flags=("--deadpool-heartbeat-timeout", "3"),
              what="SIGSTOP a rank: heartbeat timeout, fenced"),
     Scenario("sigterm", ("term:rank=3@iter=6",), recoveries=1, what="SIGTERM a rank"),
+    Scenario("bf16_kill", ("kill:node=1@iter=6",), recoveries=1, trajectory=("--bf16",),
+             what="SIGKILL a node in a bf16 run (bf16 params, fp32 main params)"),
     Scenario("segfault", ("segv:rank=3@iter=6",), recoveries=1, ci=True,
              what="SIGSEGV a rank"),
     Scenario("two_nodes_k2", ("kill:node=1@iter=6", "kill:node=2@iter=6"), spares=2,

@@ -13,14 +13,16 @@ pytestmark = [pytest.mark.slow]
 _REF = {}
 
 
-def _reference(layout, iters, tmp_path_factory):
-    """The failure-free run of ``layout`` with ``iters`` iterations (made once)."""
-    if (layout, iters) not in _REF:
+def _reference(layout, scenario, tmp_path_factory):
+    """The failure-free run of ``layout`` that ``scenario`` is compared with: its
+    iterations and trajectory flags (made once)."""
+    iters, trajectory = key = scenario.reference_key()
+    if (layout, key) not in _REF:
         d = tmp_path_factory.mktemp(f"ref-{layout}-{iters}")
-        p, s = launch(d, trainer_flags(layout, iters=iters), spares=1, name="ref")
+        p, s = launch(d, trainer_flags(layout, trajectory, iters=iters), spares=1, name="ref")
         assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
-        _REF[(layout, iters)] = s["final_state_sha256"]
-    return _REF[(layout, iters)]
+        _REF[(layout, key)] = s["final_state_sha256"]
+    return _REF[(layout, key)]
 
 
 def _cases():
@@ -32,8 +34,9 @@ def _cases():
 
 @pytest.mark.parametrize("layout, scenario", list(_cases()))
 def test_scenario(layout, scenario, tmp_path, tmp_path_factory):
-    ref = _reference(layout, scenario.iters, tmp_path_factory)
-    p, s = launch(tmp_path, trainer_flags(layout, scenario.flags, scenario.iters),
+    ref = _reference(layout, scenario, tmp_path_factory)
+    p, s = launch(tmp_path, trainer_flags(layout, scenario.trajectory + scenario.flags,
+                                          scenario.iters),
                   spares=scenario.spares,
                   inject=scenario.inject)
     verdict = judge(scenario, p.returncode, s, ref)

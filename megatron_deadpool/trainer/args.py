@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--use-distributed-optimizer", action="store_true",
       help="accepted for Megatron compatibility; the optimizer is always distributed")
     a("--vocab-size", type=int, default=128)
-    a("--bf16", action="store_true", help="bf16 params and compute (GPU only)")
+    a("--bf16", action="store_true", help="bf16 params and compute, fp32 main params")
     a("--log-interval", type=int, default=1)
     a("--device", choices=["cpu", "cuda"], default=None,
       help="default: cuda if available, else cpu (CPU mode)")
@@ -126,8 +126,6 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
                           f"--tensor-model-parallel-size {tp}")
     if args.spare_build_delay < 0:
         raise ConfigError(f"--spare-build-delay must be >= 0, got {args.spare_build_delay}")
-    if args.device == "cpu" and args.bf16:
-        raise ConfigError("--bf16 needs --device cuda")
     if args.backend == "nccl" and args.device == "cpu":
         raise ConfigError("--backend nccl needs --device cuda")
     if args.mock_save_interval < 0 or args.mock_save_s < 0:
