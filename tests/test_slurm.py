@@ -6,6 +6,9 @@ per node started by ``srun``. Two faults, each in its own job, mid-run:
 * node loss: SIGKILL node 1's slurmd, its step daemon and every job process there. Slurm
   marks the node DOWN only later; the job must still be running then and end COMPLETED.
 
+and a Slurm drain; then the node loss again with Megatron-LM's patched ``pretrain_gpt.py``
+(``MEGATRON_LM_DIR``) instead of the reference trainer.
+
 Each job must end with the failure-free run's state fingerprint. Needs root (slurmd runs
 jobs as the submitting user) and installs slurm-wlm and munge with apt when missing.
 Measured numbers are printed and, with DEADPOOL_SLURM_REPORT=FILE, appended to FILE as JSON
@@ -23,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, launch
+from mlm import patched_tree, python_for
 from slurm_cluster import LocalSlurm, installed, proc_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.ci, pytest.mark.slurm]
@@ -32,6 +36,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.ci, pytest.mark.slurm]
 # loss with this cluster's SlurmdTimeout=10/MessageTimeout=5) on an idle 2-core machine.
 TRAIN_ITERS = 250
 KILL_AFTER_ITERS = 3
+# Megatron-LM's pretrain_gpt.py in the same batch script: the CI tag on its Python. Its CPU
+# steps took 0.12-0.27 s on the loaded 2-core machine, so 60 iterations leave seconds of
+# training after the kill at iteration 3. (The job itself cannot end before the DOWN mark:
+# srun waits for the lost node's task until slurmctld reports the node failure.)
+MLM_TAG = "core_v0.19.0"
+MLM_ITERS = 60
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +64,10 @@ def cluster(tmp_path_factory):
         shutil.rmtree(base, ignore_errors=True)
 
 
-def _submit(cluster, tmp_path):
+def _submit(cluster, tmp_path, iters=TRAIN_ITERS, python=sys.executable, **extra_env):
     out = tmp_path / "out"
-    env = {"DEADPOOL_PYTHON": sys.executable, "DEADPOOL_REPO": str(REPO), "OUT": str(out),
-           "TRAIN_ITERS": str(TRAIN_ITERS), "PYTHONPATH": str(REPO)}
+    env = {"DEADPOOL_PYTHON": python, "DEADPOOL_REPO": str(REPO), "OUT": str(out),
+           "TRAIN_ITERS": str(iters), "PYTHONPATH": str(REPO), **extra_env}
     job = cluster.sbatch(REPO / "scripts" / "cpu-local.sbatch", env, tmp_path,
                          "-o", str(tmp_path / "job.out"))
     return job, out
@@ -92,18 +102,24 @@ def _job_end_ts(out: Path) -> float:
     return max(p.stat().st_mtime for p in (out / "results").glob("rank*.json"))
 
 
-def _check_job(cluster, job, out, tmp_path, reference, victim_rank=1):
+def _trainer_reference(reference):
+    """The reference trainer's failure-free run (outside Slurm) of a job's trainer flags."""
+    return lambda flags: reference(flags + ["--device", "cpu"], nodes=4, ppn=1)
+
+
+def _check_job(cluster, job, out, tmp_path, ref_of, victim_rank=1, iters=TRAIN_ITERS):
+    """COMPLETED, one recovery (rank 1 onto the spare node), and the fingerprint and losses
+    of ``ref_of(the job's trainer flags)``: the same flags run without a fault."""
     info = cluster.wait_job(job, timeout=600)
     log = (tmp_path / "job.out").read_text()
     assert info["JobState"] == "COMPLETED" and info.get("ExitCode") == "0:0", \
         f"{info}\n{log[-6000:]}"
     assert cluster.sacct_state(job) == "COMPLETED"
     s = json.loads((out / "summary.json").read_text())
-    flags = (out / "trainer_flags.txt").read_text().split() + ["--device", "cpu"]
-    ref = reference(flags, nodes=4, ppn=1)
+    ref = ref_of((out / "trainer_flags.txt").read_text().split())
     (rec,) = s["recoveries"]
     assert rec["failed_ranks"] == [victim_rank] and rec["spare_of_rank"] == {"1": 4}, rec
-    assert s["completed_iters"] == TRAIN_ITERS
+    assert s["completed_iters"] == iters
     bitwise_equal = s["final_state_sha256"] == ref["final_state_sha256"]
     assert bitwise_equal, (s["final_state_sha256"], ref["final_state_sha256"], log[-6000:])
     assert s["losses"] == ref["losses"]
@@ -124,7 +140,7 @@ def test_task_kill_hot_swaps_under_slurm(cluster, tmp_path, reference):
     node = _wait_mid_run(cluster, job, out)
     t_kill = time.time()
     killed = cluster.kill_workers(job, node)
-    s, rec, equal = _check_job(cluster, job, out, tmp_path, reference)
+    s, rec, equal = _check_job(cluster, job, out, tmp_path, _trainer_reference(reference))
     assert cluster.node_state(node) in ("idle", "mixed", "allocated")  # Slurm saw nothing
     _report({"test": "task_kill", "job": job, "node": node, "killed_pids": killed,
              "deadpool_first_event_s": round(_first_recovery_event_ts(out) - t_kill, 3),
@@ -137,6 +153,25 @@ def test_node_loss_hot_swaps_before_slurm_marks_it_down(cluster, tmp_path, refer
     t0 = time.monotonic()
     job, out = _submit(cluster, tmp_path)
     node = _wait_mid_run(cluster, job, out)
+    t_kill, killed, slurm_down_s, after_down = _lose_node(cluster, job, node)
+    s, rec, equal = _check_job(cluster, job, out, tmp_path, _trainer_reference(reference))
+    ended_s = _job_end_ts(out) - t_kill
+    deadpool_s = _first_recovery_event_ts(out) - t_kill
+    assert deadpool_s < slurm_down_s
+    print(cluster.restart_node(node))
+    _report({"test": "node_loss", "job": job, "node": node, "killed": killed,
+             "slurm_down_s": round(slurm_down_s, 3),
+             "deadpool_first_event_s": round(deadpool_s, 3),
+             "deadpool_detect_s": rec["phases_s"]["detect"], "recovery_s": rec["total_s"],
+             "job_state_after_down": after_down, "training_ended_s": round(ended_s, 3),
+             "bitwise_equal": equal,
+             "job_state": "COMPLETED", "test_s": round(time.monotonic() - t0, 1)})
+
+
+def _lose_node(cluster, job, node):
+    """Node loss (slurmd, step daemons, job processes SIGKILLed), then wait until Slurm marks
+    the node DOWN, the job RUNNING all along. Returns (kill time, what was killed, seconds
+    to the DOWN mark, the job's state a second after it)."""
     t_kill = time.time()
     killed = cluster.kill_node(job, node)
     deadline = time.monotonic() + 300
@@ -159,17 +194,7 @@ def test_node_loss_hot_swaps_before_slurm_marks_it_down(cluster, tmp_path, refer
     # iteration and the failure-free fingerprint. Anything else means Slurm ended it.
     assert after_down in ("RUNNING", "COMPLETED"), \
         f"job {job} is {after_down} after {node} went down"
-    s, rec, equal = _check_job(cluster, job, out, tmp_path, reference)
-    ended_s = _job_end_ts(out) - t_kill
-    deadpool_s = _first_recovery_event_ts(out) - t_kill
-    assert deadpool_s < slurm_down_s
-    print(cluster.restart_node(node))
-    _report({"test": "node_loss", "job": job, "node": node, "killed": killed,
-             "slurm_down_s": round(slurm_down_s, 3),
-             "deadpool_first_event_s": round(deadpool_s, 3),
-             "deadpool_detect_s": rec["phases_s"]["detect"], "recovery_s": rec["total_s"],
-             "job_state_after_down": after_down, "training_ended_s": round(ended_s, 3), "bitwise_equal": equal,
-             "job_state": "COMPLETED", "test_s": round(time.monotonic() - t0, 1)})
+    return t_kill, killed, slurm_down_s, after_down
 
 
 def test_a_slurm_drain_swaps_the_node_before_it_fails(cluster, tmp_path, reference):
@@ -202,3 +227,35 @@ def test_a_slurm_drain_swaps_the_node_before_it_fails(cluster, tmp_path, referen
              "first_step_after_drain_s": round(d["wall_s"] or 0, 3),
              "scontrol_to_summary_t": round(time.time() - t_drain, 1), "bitwise_equal": True,
              "job_state": "COMPLETED", "test_s": round(time.monotonic() - t0, 1)})
+
+
+def test_pretrain_gpt_survives_a_node_loss_under_slurm(cluster, tmp_path, tmp_path_factory):
+    """Megatron-LM's own ``pretrain_gpt.py`` (the CI tag, patched; ``MEGATRON_LM_DIR``) in
+    ``cpu-local.sbatch``: node 1 lost mid-run as in the node-loss test above. The job ends
+    COMPLETED with the fingerprint and losses of the same trainer flags launched with
+    ``deadpool launch --script`` outside Slurm and without a fault."""
+    t0 = time.monotonic()
+    tree, python = patched_tree(tmp_path_factory, MLM_TAG), python_for(MLM_TAG)
+    job, out = _submit(cluster, tmp_path, MLM_ITERS, python, MEGATRON_LM_DIR=str(tree))
+    node = _wait_mid_run(cluster, job, out, timeout=600)
+    t_kill, killed, slurm_down_s, after_down = _lose_node(cluster, job, node)
+
+    def failure_free(flags):
+        proc, data = launch(tmp_path, flags, nodes=4, ppn=1, name="reference", python=python,
+                            extra_launch=["--device", "cpu", "--script",
+                                          str(tree / "pretrain_gpt.py")])
+        assert proc.returncode == 0 and data["ok"], proc.stdout[-3000:] + proc.stderr[-3000:]
+        return data
+
+    s, rec, equal = _check_job(cluster, job, out, tmp_path, failure_free, iters=MLM_ITERS)
+    deadpool_s = _first_recovery_event_ts(out) - t_kill
+    assert deadpool_s < slurm_down_s
+    print(cluster.restart_node(node))
+    _report({"test": "pretrain_gpt_node_loss", "tag": MLM_TAG, "job": job, "node": node,
+             "killed": killed, "slurm_down_s": round(slurm_down_s, 3),
+             "deadpool_first_event_s": round(deadpool_s, 3),
+             "deadpool_detect_s": rec["phases_s"]["detect"], "recovery_s": rec["total_s"],
+             "restored_iter": rec["restored_iter"], "job_state_after_down": after_down,
+             "training_ended_s": round(_job_end_ts(out) - t_kill, 3),
+             "bitwise_equal": equal, "job_state": "COMPLETED",
+             "test_s": round(time.monotonic() - t0, 1)})
