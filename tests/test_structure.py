@@ -32,7 +32,8 @@ LAYERS = [
     ("callers of the api", {"trainer": ["args", "data", "gpt"], "megatron": ["lm", "tree"]}),
     ("launch", {"launch": ["agent", "options", "fault_driver", "summary", "launcher", "child",
                            "progress", "slurm_drain"]}),
-    ("applications", {"apps": ["demo", "soak", "bench", "bench_recovery", "report", "sim",
+    ("applications", {"apps": ["demo", "soak", "bench", "bench_recovery", "bench_peers",
+                               "peer_log", "peer_inject", "peer_systems", "report", "sim",
                                "sim_plot", "drain", "cli"]}),
 ]
 FOLDER_LAYER = {folder: i for i, (_, folders) in enumerate(LAYERS) for folder in folders}

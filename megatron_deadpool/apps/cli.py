@@ -134,6 +134,10 @@ def _add_bench(sub) -> None:
     br.add_argument("--world-sizes", default="4,8,16", metavar="W,W,...",
                     help="processes (multiples of 4: TP2 x PP2 x DP W/4); default %(default)s")
     br.add_argument("--no-hang", action="store_true", help="skip the SIGSTOP run")
+    from .bench_peers import add_arguments as add_peers
+
+    add_peers(bsub.add_parser("peers", help="DeadPool against NVRx and a whole-job relaunch "
+                              "on the same Megatron-LM job, one injector (docs/peers.md)"))
 
 
 def _run_launch(args, rest: List[str]) -> int:
@@ -196,6 +200,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.cmd == "bench":
             from . import bench
 
+            if args.bench == "peers":
+                from .bench_peers import run as peers
+
+                runs = peers(args)["runs"]
+                return 0 if runs and all(r["outcome"] == "done" for r in runs) else 1
             if args.bench == "overhead":
                 result = bench.overhead(rest, rounds=args.rounds, nodes=args.nodes,
                                         procs_per_node=args.procs_per_node,

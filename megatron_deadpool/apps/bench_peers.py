@@ -1,0 +1,219 @@
+"""``deadpool bench peers``: DeadPool against NVRx (in-job restart with hot spares, local
+checkpoints with replication) and a whole-job relaunch, on the same Megatron-LM
+``pretrain_gpt.py`` job with one injector (docs/peers.md).
+
+Per round, for each system in turn (the order rotates every round): a failure-free run and a
+run whose node is SIGKILLed when iteration K starts. Each run's log gives the recovery time
+(kill to the end of the first iteration after it), the iterations redone, the wall time lost
+against the same round's failure-free run of that system, the step time and the save cost.
+The fingerprint, the same for every system: SHA-256 over every tensor (parameters and the
+distributed optimizer's state) of the checkpoint each run writes with ``--save`` at the last
+iteration, plus that iteration; a run is bitwise when it equals its failure-free run's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from . import peer_log
+from .peer_inject import Injector
+from .peer_systems import NODE_TAG, SYSTEMS, PeerJob, run_system
+
+REPO = Path(__file__).resolve().parents[2]
+# the job of tests/test_megatron_lm_train.py: TP2 x PP2 x DP2 on 4 nodes x 2
+MODEL_FLAGS = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+               "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+               "--seq-length", "32", "--max-position-embeddings", "32",
+               "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
+               "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--mock-data",
+               "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+               "--use-distributed-optimizer"]
+PACKAGES = ["torch", "megatron-core", "megatron-deadpool", "nvidia-resiliency-ext"]
+
+
+def unpack_tree(archive: str, dest: str) -> str:
+    """A patched Megatron-LM tree from a ``git archive`` tarball (scripts/apply_patches.sh)."""
+    root = os.path.join(dest, "Megatron-LM")
+    if not os.path.isdir(root):
+        with tarfile.open(archive) as t:
+            t.extractall(dest, filter="data")
+        subprocess.run(["bash", str(REPO / "scripts" / "apply_patches.sh"), root],
+                       check=True, capture_output=True, text=True)
+    return root
+
+
+def fingerprint(ck: str, iteration: int) -> Optional[str]:
+    """SHA-256 of the checkpoint of ``iteration`` under ``ck``: every tensor by name, dtype,
+    shape and bytes; None if that checkpoint does not exist."""
+    from ..adapters.checkpoints import load_tensors
+
+    d = os.path.join(ck, f"iter_{iteration:07d}")
+    if not os.path.isfile(os.path.join(d, "metadata.json")):
+        return None
+    h = hashlib.sha256(f"iteration {iteration}\n".encode())
+    for key, t in sorted(load_tensors(d).items()):
+        t = t.detach().contiguous().cpu()
+        h.update(f"{key} {t.dtype} {tuple(t.shape)}\n".encode())
+        h.update(t.view(-1).view(__import__("torch").uint8).numpy().tobytes()
+                 if t.numel() else b"")
+    return h.hexdigest()
+
+
+def versions(python: str) -> Dict[str, Optional[str]]:
+    code = ("import json\nfrom importlib.metadata import version\nout = {}\n"
+            f"for n in {PACKAGES!r}:\n"
+            "    try: out[n] = version(n)\n    except Exception: out[n] = None\n"
+            "print(json.dumps(out))")
+    r = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    return json.loads(r.stdout) if r.returncode == 0 else {}
+
+
+def one_run(system: str, job: PeerJob, work: str, kill: Optional[dict], echo=None) -> dict:
+    injector = None
+    if kill is not None:
+        key = "DEADPOOL_NODE" if system == "deadpool" else NODE_TAG
+        injector = Injector(kill["iter"], key, rank=kill["rank"])
+    info = run_system(system, job, work, injector, echo=echo)
+    info["fingerprint"] = fingerprint(info["checkpoints"], job.train_iters)
+    info["killed_pids"] = injector.fired["pids"] if injector and injector.fired else None
+    info["kill_node"] = injector.fired["node"] if injector and injector.fired else None
+    return info
+
+
+def measure(system: str, free: dict, failed: dict, train_iters: int) -> dict:
+    free_log = peer_log.parse(Path(free["log"]).read_text())
+    fail_log = peer_log.parse(Path(failed["log"]).read_text())
+    out = {"system": system, **peer_log.free_run_costs(free_log, train_iters),
+           **peer_log.failure_run(fail_log, free_log, train_iters)}
+    out.update(free_outcome=free["outcome"], outcome=failed["outcome"],
+               free_fingerprint=free["fingerprint"], fingerprint=failed["fingerprint"],
+               kill_node=failed["kill_node"], killed_pids=failed["killed_pids"],
+               bitwise=bool(failed["fingerprint"]) and
+               failed["fingerprint"] == free["fingerprint"])
+    return out
+
+
+def run_rounds(job: PeerJob, systems: List[str], runs: int, kill: dict, work: str,
+               say=print) -> List[dict]:
+    records = []
+    for r in range(runs):
+        order = systems[r % len(systems):] + systems[:r % len(systems)]  # alternate
+        for system in order:
+            base = os.path.join(work, f"round{r + 1}", system)
+            free = one_run(system, job, os.path.join(base, "free"), None)
+            failed = one_run(system, job, os.path.join(base, "kill"), kill)
+            rec = dict(measure(system, free, failed, job.train_iters), round=r + 1)
+            records.append(rec)
+            say(f"round {r + 1}/{runs} {system}: recovery {_s(rec['recovery_s'])} s, "
+                f"redone {rec['redone']}, lost {_s(rec['lost_s'])} s, "
+                f"bitwise {rec['bitwise']} ({rec['outcome']})")
+    return records
+
+
+def _s(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def summarize(records: List[dict], systems: List[str], mtbf_s: float) -> Dict[str, dict]:
+    out = {}
+    for system in systems:
+        rs = [r for r in records if r["system"] == system]
+        s = {k: peer_log.summarize([r[k] for r in rs])
+             for k in ("recovery_s", "redone", "lost_s", "iteration_s", "save_s")}
+        s["bitwise"] = f"{sum(r['bitwise'] for r in rs)}/{len(rs)}"
+        save, step = s["save_s"]["median"], s["iteration_s"]["median"]
+        if save is not None and save > 0 and step:
+            young = peer_log.young_interval_s(save, mtbf_s)
+            s["young_interval"] = {"s": young, "iterations": max(1, round(young / step))}
+        out[system] = s
+    ref = (out.get("deadpool") or {}).get("lost_s", {}).get("median")
+    for system, s in out.items():
+        lost = s["lost_s"]["median"]
+        s["lost_ratio_to_deadpool"] = (lost / ref if ref and lost is not None and ref > 0
+                                       else None)
+    return out
+
+
+def _cell(s: dict, digits: int = 2) -> str:
+    if s["median"] is None:
+        return "-"
+    f = f"{{:.{digits}f}}"
+    return f"{f.format(s['median'])} ({f.format(s['min'])}–{f.format(s['max'])})"
+
+
+def markdown(result: dict) -> str:
+    head = ("| system | s kill → first step after | iterations redone | s lost vs own "
+            "failure-free run | ratio to DeadPool | step s | save s | bitwise |\n"
+            "|---|---|---|---|---|---|---|---|\n")
+    rows = []
+    for system, s in result["summary"].items():
+        ratio = s["lost_ratio_to_deadpool"]
+        rows.append(f"| {system} | {_cell(s['recovery_s'])} | {_cell(s['redone'], 0)} | "
+                    f"{_cell(s['lost_s'])} | {'-' if ratio is None else f'{ratio:.1f}'} | "
+                    f"{_cell(s['iteration_s'], 3)} | {_cell(s['save_s'])} | "
+                    f"{s['bitwise']} |")
+    cfg = result["config"]
+    young = {k: v["young_interval"] for k, v in result["summary"].items()
+             if "young_interval" in v}
+    return (head + "\n".join(rows) + "\n\nMedians (min–max) over "
+            f"{cfg['runs']} alternated run(s) per system; kill at iteration "
+            f"{cfg['kill_iter']} of {cfg['train_iters']}, the node of rank "
+            f"{cfg['kill_rank']}; save interval {cfg['save_interval']}. Young's interval "
+            f"sqrt(2 × save s × MTBF), MTBF {cfg['mtbf_s']:.0f} s: "
+            + (", ".join(f"{k} {v['s']:.0f} s ≈ {v['iterations']} iterations"
+                         for k, v in young.items()) or "-") + "\n")
+
+
+def run(args) -> dict:
+    work = os.path.abspath(args.work)
+    os.makedirs(work, exist_ok=True)
+    tree = args.tree or unpack_tree(args.archive, work)
+    systems = [s for s in args.systems.split(",") if s]
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad:
+        raise SystemExit(f"unknown system(s) {bad}; known: {', '.join(SYSTEMS)}")
+    job = PeerJob(tree=os.path.abspath(tree), python=args.python or sys.executable,
+                  flags=MODEL_FLAGS + ["--train-iters", str(args.train_iters)],
+                  train_iters=args.train_iters, save_interval=args.save_interval,
+                  nodes=args.nodes, timeout_s=args.timeout)
+    kill = {"iter": args.kill_iter, "rank": args.kill_rank}
+    records = run_rounds(job, systems, args.runs, kill, work)
+    result = {"config": {"runs": args.runs, "train_iters": args.train_iters,
+                         "kill_iter": args.kill_iter, "kill_rank": args.kill_rank,
+                         "save_interval": args.save_interval, "mtbf_s": args.mtbf,
+                         "nodes": args.nodes, "procs_per_node": job.procs_per_node,
+                         "spares": job.spares, "systems": systems, "tree": tree},
+              "versions": versions(job.python), "runs": records,
+              "summary": summarize(records, systems, args.mtbf)}
+    Path(args.json or os.path.join(work, "peers.json")).write_text(
+        json.dumps(result, indent=1))
+    Path(args.markdown or os.path.join(work, "peers.md")).write_text(markdown(result))
+    print(markdown(result), flush=True)
+    return result
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--tree", default=None, help="a patched Megatron-LM tree")
+    p.add_argument("--archive", default=None, help="or a git archive of one (unpacked and "
+                   "patched under --work)")
+    p.add_argument("--work", default="out/peers", help="runs, logs, checkpoints")
+    p.add_argument("--python", default=None, help="the workers' Python (default: this one; "
+                   "NVRx must be importable: scripts/install_peers.sh)")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--runs", type=int, default=5, help="rounds; each runs every system")
+    p.add_argument("--train-iters", type=int, default=20)
+    p.add_argument("--kill-iter", type=int, default=12, help="K: the kill fires as K starts")
+    p.add_argument("--kill-rank", type=int, default=2, help="the node of this rank is killed")
+    p.add_argument("--save-interval", type=int, default=5)
+    p.add_argument("--nodes", type=int, default=4, help="active nodes of 2 processes")
+    p.add_argument("--mtbf", type=float, default=3600.0, help="for Young's interval, s")
+    p.add_argument("--timeout", type=float, default=1200.0, help="per run, s")
+    p.add_argument("--json", default=None, metavar="FILE")
+    p.add_argument("--markdown", default=None, metavar="FILE")

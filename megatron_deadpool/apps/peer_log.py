@@ -1,0 +1,147 @@
+"""The peer benchmark's log and what is read from it (``deadpool bench peers``,
+docs/peers.md). Pure text in, numbers out: no processes, no clocks.
+
+The benchmark writes one log per run. Each line is ``<seconds since the launch> <text>``:
+every line any process of the job printed, stamped on arrival, and the benchmark's own
+markers, ``#peers <event> key=value ...`` (``kill``: the injector fired; ``start``: a
+(re)launch of the job; ``exit``: the job ended). Megatron-LM logs a finished iteration as
+``iteration   N/  T | ...`` (``--log-interval 1``) and a finished save as
+``successfully saved checkpoint from iteration   N ...``.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+ITERATION = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|")
+SAVED = re.compile(r"successfully saved checkpoint from iteration\s+(\d+)")
+MARKER = re.compile(r"#peers (\w+)((?: \w+=\S*)*)\s*$")
+
+
+def stamp(t: float, text: str) -> str:
+    return f"{t:.3f} {text.rstrip()}"
+
+
+def marker(t: float, event: str, **fields) -> str:
+    return stamp(t, " ".join([f"#peers {event}"] + [f"{k}={v}" for k, v in fields.items()]))
+
+
+def iteration_of(text: str) -> Optional[int]:
+    """The finished iteration a Megatron-LM log line reports, or None."""
+    m = ITERATION.search(text)
+    return int(m.group(1)) if m else None
+
+
+@dataclass
+class RunLog:
+    iterations: List[Tuple[float, int]] = field(default_factory=list)  # (t, finished iter)
+    saves: List[Tuple[float, int]] = field(default_factory=list)       # (t, saved iter)
+    markers: List[Tuple[float, str, Dict[str, str]]] = field(default_factory=list)
+    seen: List[int] = field(default_factory=list)  # per marker: iteration lines before it
+
+    def first(self, event: str) -> Optional[Tuple[float, Dict[str, str]]]:
+        return next(((t, f) for t, e, f in self.markers if e == event), None)
+
+    def count(self, event: str) -> int:
+        return sum(1 for _, e, _ in self.markers if e == event)
+
+
+def parse(text: str) -> RunLog:
+    out = RunLog()
+    for line in text.splitlines():
+        head, _, rest = line.partition(" ")
+        try:
+            t = float(head)
+        except ValueError:
+            continue
+        m = MARKER.search(rest)
+        if m and rest.startswith("#peers "):
+            fields = dict(kv.split("=", 1) for kv in m.group(2).split())
+            out.markers.append((t, m.group(1), fields))
+            out.seen.append(len(out.iterations))
+            continue
+        it = iteration_of(rest)
+        if it is not None:
+            out.iterations.append((t, it))
+            continue
+        s = SAVED.search(rest)
+        if s:
+            out.saves.append((t, int(s.group(1))))
+    return out
+
+
+def step_times(log: RunLog, skip: int = 2) -> Tuple[List[float], Dict[int, float]]:
+    """Seconds between consecutive finished iterations of one uninterrupted run: the plain
+    steps (the first ``skip`` iterations left out: warm-up) and, separately, the steps
+    that follow a save (their time includes the save), keyed by the saved iteration."""
+    saved = {it for _, it in log.saves}
+    plain, after_save = [], {}
+    pairs = list(zip(log.iterations, log.iterations[1:]))
+    for (t0, i0), (t1, i1) in pairs:
+        if i1 != i0 + 1 or i0 < skip:
+            continue
+        if i0 in saved:
+            after_save[i0] = t1 - t0
+        else:
+            plain.append(t1 - t0)
+    return plain, after_save
+
+
+def span(log: RunLog, train_iters: int) -> Optional[float]:
+    """Seconds from the end of iteration 1 to the end of the final iteration (its last
+    log line): the training the run did, restarts included. The start-up before the first
+    iteration and the final save are the same work in every run of a system and, on a
+    shared machine, mostly noise, so they are left out."""
+    first = next((t for t, it in log.iterations if it == 1), None)
+    done = [t for t, it in log.iterations if it == train_iters]
+    return done[-1] - first if done and first is not None else None
+
+
+def free_run_costs(log: RunLog, train_iters: int) -> dict:
+    """A failure-free run: its step time, the cost of one save, its end time."""
+    plain, after_save = step_times(log)
+    step = statistics.median(plain) if plain else None
+    costs = [dt - step for it, dt in after_save.items() if step is not None
+             and it < train_iters]
+    return {"iteration_s": step, "save_s": statistics.median(costs) if costs else None,
+            "saves": len(log.saves), "span_s": span(log, train_iters)}
+
+
+def failure_run(log: RunLog, free: RunLog, train_iters: int) -> dict:
+    """One run with a kill, against the same system's failure-free run."""
+    kill = log.first("kill")
+    end, free_end = span(log, train_iters), span(free, train_iters)
+    out = {"killed": kill is not None, "kill_iteration": None, "recovery_s": None,
+           "redone": None, "lost_s": None, "span_s": end,
+           "relaunches": max(0, log.count("start") - 1)}
+    if end is not None and free_end is not None:
+        out["lost_s"] = end - free_end
+    if kill is None:
+        return out
+    t_kill = kill[0]
+    out["kill_iteration"] = int(kill[1].get("iter", -1))
+    n = log.seen[next(i for i, m in enumerate(log.markers) if m[1] == "kill")]
+    before = [it for _, it in log.iterations[:n]]  # in the order the lines arrived
+    after = log.iterations[n:]
+    if after:
+        t1, first = after[0]
+        out["recovery_s"] = t1 - t_kill
+        out["first_after"] = first
+        out["redone"] = max(0, (max(before) if before else 0) - first + 1)
+    return out
+
+
+def young_interval_s(save_s: float, mtbf_s: float) -> float:
+    """Young (1974): the checkpoint interval that minimises the expected time lost,
+    sqrt(2 * C * MTBF) for save cost C and mean time between failures MTBF."""
+    return (2.0 * save_s * mtbf_s) ** 0.5
+
+
+def summarize(values: List[Optional[float]]) -> dict:
+    xs = [v for v in values if v is not None]
+    if not xs:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}

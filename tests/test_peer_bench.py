@@ -1,0 +1,154 @@
+"""The peer benchmark's injector and log parsing (apps/peer_inject.py, apps/peer_log.py),
+fast: dummy "nodes" (a parent and a child process each, tagged in their environment) that
+print Megatron-style iteration lines; the injector must kill exactly one node's processes
+when iteration K starts, and the parser must read recovery time, redone iterations, lost
+time and save cost from captured log text."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from megatron_deadpool.apps import peer_log
+from megatron_deadpool.apps.peer_inject import Injector, RunLogWriter, node_pids
+
+NODE = textwrap.dedent("""
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    for i in range(1, 400):
+        if sys.argv[1] == "1":  # the node whose line the injector reads
+            print(f" [t] iteration {i:8d}/     400 | lm loss: 1.0", flush=True)
+        time.sleep(0.02)
+    child.kill()
+""")
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def nodes():
+    procs = [subprocess.Popen([sys.executable, "-c", NODE, str(n)], stdout=subprocess.PIPE,
+                              text=True,
+                              env=dict(os.environ, PEERS_NODE=str(n), RANK=str(2 * n)))
+             for n in range(3)]
+    yield procs
+    for n, p in enumerate(procs):
+        for pid in _pids_of(procs, n):
+            os.kill(pid, 9)
+        p.wait()
+
+
+def _pids_of(procs, node):
+    return node_pids([p.pid for p in procs], "PEERS_NODE", str(node))
+
+
+def test_injector_kills_exactly_one_node_when_iteration_k_starts(tmp_path, nodes):
+    deadline = time.time() + 10
+    while (any(len(_pids_of(nodes, n)) < 2 for n in range(3))
+           and time.time() < deadline):
+        time.sleep(0.02)  # each node: its parent and its child, all started
+    before = {n: _pids_of(nodes, n) for n in range(3)}
+    assert all(len(v) == 2 for v in before.values()), before
+    # the victim named by a rank on it (RANK=4: node 2), as the benchmark does
+    inj = Injector(at_iter=5, key="PEERS_NODE", rank=4, roots=lambda: [p.pid for p in nodes])
+    w = RunLogWriter(str(tmp_path / "run.log"), injector=inj)
+    w.mark("start", attempt=1)
+    w.follow(nodes[1].stdout)
+    deadline = time.time() + 5
+    while inj.fired is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert inj.fired is not None, "the injector never fired"
+    assert sorted(inj.fired["pids"]) == before[2]
+    time.sleep(0.3)
+    assert not any(_alive(p) for p in before[2])
+    assert all(_alive(p) for n in (0, 1) for p in before[n])
+    for pid in _pids_of(nodes, 1):
+        os.kill(pid, 9)  # its child holds the pipe too
+    w.close()
+    log = peer_log.parse((tmp_path / "run.log").read_text())
+    _, fields = log.first("kill")
+    assert fields["iter"] == "5" and fields["node"] == "PEERS_NODE=2"
+    n_before = log.seen[[e for _, e, _ in log.markers].index("kill")]
+    assert log.iterations[n_before - 1][1] == 4  # fired on K-1's line, before K's
+
+
+def test_injector_refuses_k_below_2_and_an_ambiguous_victim():
+    with pytest.raises(ValueError):
+        Injector(at_iter=1, key="PEERS_NODE", value="1", roots=list)
+    with pytest.raises(ValueError):
+        Injector(at_iter=3, key="PEERS_NODE", value="1", rank=2, roots=list)
+
+
+def _log(lines):
+    return "\n".join(lines) + "\n"
+
+
+def _it(t, i, total=10):
+    return f"{t:.3f}  [2026-11-27 01:00:00] iteration {i:8d}/{total:8d} | lm loss: 1.0"
+
+
+def _saved(t, i):
+    return f"{t:.3f}   successfully saved checkpoint from iteration {i:7d} to /ck [ t 1/2, p 1/2 ]"
+
+
+FREE = _log([peer_log.marker(0.0, "start", attempt=1)]
+            + [_it(10 + i, i) for i in range(1, 5)]
+            + [_saved(14.5, 4)]                        # a save after 4: 4 -> 5 takes 1.5 s
+            + [_it(15.5 + (i - 5), i) for i in range(5, 11)]
+            + [_saved(21.0, 10), peer_log.marker(21.5, "exit", rc=0)])
+
+# killed when 7 started (6 was logged at 16.5); relaunched; resumed from the save at 4
+FAILED = _log([peer_log.marker(0.0, "start", attempt=1)]
+              + [_it(10 + i, i) for i in range(1, 5)] + [_saved(14.5, 4)]
+              + [_it(15.5, 5), _it(16.5, 6), peer_log.marker(16.6, "kill", iter=7, node="x=1",
+                                                            pids="1,2"),
+                 peer_log.marker(18.0, "start", attempt=2)]
+              + [_it(40.0 + (i - 5), i) for i in range(5, 11)]
+              + [_saved(46.0, 10), peer_log.marker(46.5, "exit", rc=0)])
+
+
+def test_failure_run_metrics():
+    free, failed = peer_log.parse(FREE), peer_log.parse(FAILED)
+    r = peer_log.failure_run(failed, free, train_iters=10)
+    assert r["killed"] and r["kill_iteration"] == 7
+    assert r["recovery_s"] == pytest.approx(40.0 - 16.6)
+    assert r["first_after"] == 5 and r["redone"] == 2  # 5 and 6 were done twice
+    assert r["lost_s"] == pytest.approx((45.0 - 11.0) - (20.5 - 11.0))
+    assert r["relaunches"] == 1
+
+
+def test_hot_swap_redoes_nothing():
+    failed = FREE.replace(_it(16.5, 6), _it(16.5, 6) + "\n"
+                          + peer_log.marker(16.6, "kill", iter=7, node="x=1", pids="3"))
+    failed = failed.replace(_it(17.5, 7), _it(18.4, 7)).replace(_it(20.5, 10), _it(21.4, 10))
+    r = peer_log.failure_run(peer_log.parse(failed), peer_log.parse(FREE), train_iters=10)
+    assert r["redone"] == 0 and r["first_after"] == 7
+    assert r["recovery_s"] == pytest.approx(18.4 - 16.6)
+    assert r["lost_s"] == pytest.approx(0.9)
+
+
+def test_free_run_costs_separate_the_save():
+    c = peer_log.free_run_costs(peer_log.parse(FREE), train_iters=10)
+    assert c["iteration_s"] == pytest.approx(1.0)
+    assert c["save_s"] == pytest.approx(0.5)
+    assert c["span_s"] == pytest.approx(20.5 - 11.0)  # iteration 1's end to the last's
+
+
+def test_parse_ignores_unstamped_and_prefixed_lines():
+    log = peer_log.parse("garbage\n12.000 n3 r7 | iteration        3/      10 | x\n")
+    assert log.iterations == [(12.0, 3)]
+
+
+def test_young_interval_and_summary():
+    assert peer_log.young_interval_s(2.0, 3600.0) == pytest.approx(120.0)
+    s = peer_log.summarize([3.0, None, 1.0, 2.0])
+    assert (s["median"], s["min"], s["max"], s["n"]) == (2.0, 1.0, 3.0, 3)
