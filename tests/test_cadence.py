@@ -10,6 +10,8 @@ import sys
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from megatron_deadpool.adapters import async_saves, cadence
 
 
@@ -95,3 +97,45 @@ def test_kill_tree_ends_a_writer_and_the_writers_it_forked(tmp_path):
     p.wait(timeout=10)
     assert p.pid in killed and child in killed
     assert not async_saves._alive(child) and not async_saves._alive(p.pid)
+
+
+class _Queue:
+    """Megatron's AsyncCallsQueue, as abandon() reads it (no writer process)."""
+
+    def __init__(self, call_idx=-1, unfinalized=0):
+        call = SimpleNamespace(async_caller=None)  # no writer process to kill
+        self.call_idx, self.async_calls = call_idx, [call] * unfinalized
+        self.closed = False
+
+    def get_num_unfinalized_calls(self):
+        return len(self.async_calls)
+
+    def close(self, abort=False):
+        self.closed = abort
+
+
+@pytest.mark.parametrize("call_idx, unfinalized, fresh", [
+    (-1, 0, False),  # never saved: already what a promoted spare has
+    (0, 0, True),    # saved and finalized: its index must start again with the spare's
+    (1, 1, True)])   # a save in flight: abandoned
+def test_every_rank_that_saved_restarts_its_async_queue(monkeypatch, call_idx, unfinalized,
+                                                        fresh):
+    """A kill as a save began left some survivors with that save scheduled and others
+    without: the finalize's all-reduce of the call index then failed on a promoted spare
+    ("Unmatched async calls"). Every queue that ever scheduled a save is replaced."""
+    import sys
+    import types
+
+    from megatron_deadpool.adapters import async_saves
+
+    old = _Queue(call_idx, unfinalized)
+    au = types.SimpleNamespace(_async_calls_queue=old)
+    au.init_persistent_async_worker = lambda: setattr(au, "_async_calls_queue", _Queue())
+    monkeypatch.setitem(sys.modules, "megatron.training", types.ModuleType("megatron.training"))
+    monkeypatch.setitem(sys.modules, "megatron.training.async_utils", au)
+    monkeypatch.setattr(sys.modules["megatron.training"], "async_utils", au, raising=False)
+    monkeypatch.setattr(async_saves, "drain_results", lambda: 0)
+    out = async_saves.abandon(types.SimpleNamespace(use_persistent_ckpt_worker=True))
+    assert out["dropped"] == unfinalized
+    assert (au._async_calls_queue is not old) == fresh and old.closed == fresh
+    assert au._async_calls_queue.call_idx == -1

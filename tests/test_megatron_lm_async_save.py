@@ -72,6 +72,11 @@ def _abandoned(out: str) -> list:
     return re.findall(r"abandoned (\d+) unfinalized async save", out)
 
 
+def _resaved(out: str) -> set:
+    """The iterations whose save the cadence wrote again (cadence.py), on any rank."""
+    return {int(x) for x in re.findall(r"the save at iteration (\d+) written again", out)}
+
+
 @pytest.mark.parametrize("tag", [pytest.param(NEWEST, id=NEWEST), pytest.param(OLDER, id=OLDER)])
 @pytest.mark.parametrize("inject", [
     pytest.param("kill:node=1@iter=8,phase=save", id="during-a-save"),
@@ -90,6 +95,9 @@ def test_async_save_through_a_swap(tree, async_reference, tmp_path, inject):
     assert rec["restored_iter"] in (7, 8, 9), rec
     assert k["final_state_sha256"] == r["final_state_sha256"] and k["losses"] == r["losses"]
     same_checkpoints(tree, ck, ck_r)
+    out = p.stdout + p.stderr
+    if rec["restored_iter"] == 8 and _abandoned(out):  # 8 cut off, restored onto: redone
+        assert _resaved(out) == {8}, out[-3000:]
     print("restored", rec["restored_iter"], "abandoned", _abandoned(p.stdout + p.stderr))
 
 
@@ -101,10 +109,13 @@ def test_the_cadence_is_kept_after_a_restore_to_a_save(tree, reference, tmp_path
     iteration 9, so its checkpoint directory holds 4, 8 and 12 as the failure-free run's
     does, with equal tensors (before, the save at 8 was never written)."""
     r, ck_r, _ = reference
-    _, k = _run(tree, tmp_path, "kill", BASE + ["--save", str(tmp_path / "ck")], spares=1,
+    p, k = _run(tree, tmp_path, "kill", BASE + ["--save", str(tmp_path / "ck")], spares=1,
                 inject=["kill:node=1@iter=8,phase=save"])
     (rec,) = k["recoveries"]
     assert rec["restored_iter"] in (7, 8), rec
     assert k["final_state_sha256"] == r["final_state_sha256"] and k["losses"] == r["losses"]
     same_checkpoints(tree, tmp_path / "ck", ck_r)
+    # restored onto 8, whose save the failure cut off: the cadence wrote it (from 7 the
+    # redone iteration 8 saves by itself)
+    assert _resaved(p.stdout + p.stderr) == ({8} if rec["restored_iter"] == 8 else set())
     print("restored", rec["restored_iter"])

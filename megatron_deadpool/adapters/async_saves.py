@@ -68,13 +68,18 @@ def abandon(args) -> Dict[str, object]:
     queue = au._async_calls_queue
     dropped = queue.get_num_unfinalized_calls() if queue is not None else 0
     killed: List[int] = []
-    if dropped:
+    # Every rank that ever scheduled a save starts again from a fresh queue, also with
+    # nothing in flight: the finalize agrees on the queues' call index (an all-reduce,
+    # "Unmatched async calls" otherwise), and a promoted spare's queue is fresh. A kill as
+    # a save began left some survivors with the save scheduled and others without.
+    if queue is not None and (dropped or getattr(queue, "call_idx", -1) != -1):
         for proc in _writers(queue):
             killed += kill_tree(proc.pid)
             proc.join(timeout=5)
         queue.async_calls.clear()  # never finalized: no metadata, no tracker
         queue.close(abort=True)
         _fresh_queue(au, args)
+    if dropped:
         print(f"[deadpool] abandoned {dropped} unfinalized async save(s); writer processes "
               f"killed: {killed}", flush=True)
     drain_results()

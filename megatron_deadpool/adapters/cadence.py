@@ -92,6 +92,8 @@ class Saves:
             iteration, x["model"], x["optimizer"], x["opt_param_scheduler"], flops,
             x["checkpointing_context"], train_data_iterator=x.get("train_data_iterator"))
         self.redone.append(iteration)
+        print(f"[deadpool] the save at iteration {iteration} written again after the restore "
+              "(checkpoint cadence)", flush=True)
         return True
 
 
