@@ -11,7 +11,8 @@ if [ "${CI:-}" = "true" ]; then export DEADPOOL_REQUIRE_MLM=1; fi
 out=$(mktemp -d)
 run() {  # run NAME MARKEXPR
   local status=0
-  "$PY" -m pytest -q -rs tests -m "$2" --junitxml "$out/$1.xml" || status=$?
+  # --durations: what each slow test costs, printed in CI's log (the CI budget is 50 min)
+  "$PY" -m pytest -q -rs --durations=30 tests -m "$2" --junitxml "$out/$1.xml" || status=$?
   if [ "$status" -ne 0 ]; then
     echo "$1 failed (pytest exit $status; 5 means no tests ran)"; exit 1
   fi
