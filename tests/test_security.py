@@ -131,3 +131,24 @@ def test_secret_file_must_be_private(tmp_path):
         auth.load_secret({"DEADPOOL_TOKEN_FILE": str(f)})
     f.chmod(0o600)
     assert auth.load_secret({"DEADPOOL_TOKEN_FILE": str(f)}) == "abc"
+
+
+@pytest.mark.parametrize("raw", [
+    json.dumps({"body": {"kind": "exit", "lid": 1}, "mac": "\u00e9" * 64}),  # non-ASCII MAC
+    json.dumps({"body": ["exit", 1], "mac": "0" * 64}),                      # not an object
+    b"\xff\xfe not utf-8",
+    json.dumps({"body": {"kind": "exit"}, "mac": None})])
+def test_a_forged_byte_is_an_auth_error_never_a_crash(raw):
+    """hmac.compare_digest raised TypeError on a non-ASCII MAC, which the store's readers
+    (they catch AuthError) let through to the launcher's unguarded decider step."""
+    with pytest.raises(auth.AuthError):
+        auth.open_(SECRET, raw.encode() if isinstance(raw, str) else raw)
+
+
+def test_the_decider_steps_past_a_forged_non_ascii_event():
+    d, store, member, _ = _job()
+    i = store.add(st.k("events", "n"), 1)
+    store.set(st.k("events", i), json.dumps({"body": {"kind": "exit", "lid": 1, "code": -9},
+                                             "mac": "\u00e9" * 64}))
+    d.step()  # raised TypeError before
+    assert d.procs[1].state == "alive" and d.gen == 0 and len(d.rejected) == 1

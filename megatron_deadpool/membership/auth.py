@@ -65,7 +65,10 @@ def open_(secret: str, raw: Optional[bytes], **expect) -> dict:
         body, mac = msg["body"], msg["mac"]
     except (ValueError, TypeError, KeyError, AttributeError):
         raise AuthError("not a signed message") from None
-    if not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(secret, body)):
+    # compare_digest raises TypeError on a non-ASCII str: a forged byte must be an
+    # AuthError like any other bad signature, never a crash of the reader
+    if not isinstance(mac, str) or not isinstance(body, dict) or not mac.isascii() \
+            or not hmac.compare_digest(mac, _mac(secret, body)):
         raise AuthError("bad signature")
     for key, want in expect.items():
         if body.get(key) != want:
