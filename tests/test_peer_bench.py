@@ -152,3 +152,26 @@ def test_young_interval_and_summary():
     assert peer_log.young_interval_s(2.0, 3600.0) == pytest.approx(120.0)
     s = peer_log.summarize([3.0, None, 1.0, 2.0])
     assert (s["median"], s["min"], s["max"], s["n"]) == (2.0, 1.0, 3.0, 3)
+
+
+def _record(system, lost, bitwise, save=None):
+    return {"system": system, "recovery_s": lost / 2, "redone": 0 if system == "deadpool"
+            else 2, "lost_s": lost, "iteration_s": 0.5, "save_s": save, "bitwise": bitwise}
+
+
+def test_summary_ratio_young_and_table():
+    from megatron_deadpool.apps import bench_peers
+
+    records = [_record("deadpool", x, True) for x in (2.0, 4.0, 3.0)]
+    records += [_record("relaunch", x, False, save=2.0) for x in (30.0, 60.0, 45.0)]
+    s = bench_peers.summarize(records, ["deadpool", "relaunch"], mtbf_s=3600.0)
+    assert s["deadpool"]["lost_s"]["median"] == 3.0 and s["deadpool"]["bitwise"] == "3/3"
+    assert s["relaunch"]["lost_ratio_to_deadpool"] == pytest.approx(15.0)
+    assert s["relaunch"]["young_interval"]["s"] == pytest.approx(120.0)
+    assert s["relaunch"]["young_interval"]["iterations"] == 240
+    assert "young_interval" not in s["deadpool"]  # no saves to size
+    cfg = {"runs": 3, "kill_iter": 12, "train_iters": 20, "kill_rank": 2, "save_interval": 5,
+           "mtbf_s": 3600.0}
+    table = bench_peers.markdown({"summary": s, "config": cfg})
+    row = next(x for x in table.splitlines() if x.startswith("| relaunch"))
+    assert "45.00 (30.00–60.00)" in row and "| 15.0 |" in row and "0/3" in row

@@ -75,7 +75,11 @@ def versions(python: str) -> Dict[str, Optional[str]]:
     return json.loads(r.stdout) if r.returncode == 0 else {}
 
 
-def one_run(system: str, job: PeerJob, work: str, kill: Optional[dict], echo=None) -> dict:
+def one_run(system: str, job: PeerJob, work: str, kill: Optional[dict], echo=None,
+            reparse: bool = False) -> dict:
+    """Run one job (``reparse``: read the run already in ``work`` again instead)."""
+    if reparse:
+        return _reread(work, job.train_iters)
     injector = None
     if kill is not None:
         key = "DEADPOOL_NODE" if system == "deadpool" else NODE_TAG
@@ -85,6 +89,17 @@ def one_run(system: str, job: PeerJob, work: str, kill: Optional[dict], echo=Non
     info["killed_pids"] = injector.fired["pids"] if injector and injector.fired else None
     info["kill_node"] = injector.fired["node"] if injector and injector.fired else None
     return info
+
+
+def _reread(work: str, train_iters: int) -> dict:
+    path = os.path.join(work, "run.log")
+    log = peer_log.parse(Path(path).read_text())
+    end, kill = log.first("exit"), log.first("kill")
+    ck = os.path.join(work, "ck")
+    return {"outcome": end[1].get("outcome") if end else "unknown", "log": path,
+            "checkpoints": ck, "fingerprint": fingerprint(ck, train_iters),
+            "killed_pids": kill[1].get("pids") if kill else None,
+            "kill_node": kill[1].get("node") if kill else None}
 
 
 def measure(system: str, free: dict, failed: dict, train_iters: int) -> dict:
@@ -101,14 +116,14 @@ def measure(system: str, free: dict, failed: dict, train_iters: int) -> dict:
 
 
 def run_rounds(job: PeerJob, systems: List[str], runs: int, kill: dict, work: str,
-               say=print) -> List[dict]:
+               say=print, reparse: bool = False) -> List[dict]:
     records = []
     for r in range(runs):
         order = systems[r % len(systems):] + systems[:r % len(systems)]  # alternate
         for system in order:
             base = os.path.join(work, f"round{r + 1}", system)
-            free = one_run(system, job, os.path.join(base, "free"), None)
-            failed = one_run(system, job, os.path.join(base, "kill"), kill)
+            free = one_run(system, job, os.path.join(base, "free"), None, reparse=reparse)
+            failed = one_run(system, job, os.path.join(base, "kill"), kill, reparse=reparse)
             rec = dict(measure(system, free, failed, job.train_iters), round=r + 1)
             records.append(rec)
             say(f"round {r + 1}/{runs} {system}: recovery {_s(rec['recovery_s'])} s, "
@@ -171,7 +186,8 @@ def markdown(result: dict) -> str:
                          for k, v in young.items()) or "-") + "\n")
 
 
-def run(args) -> dict:
+def run(args, extra: List[str] = ()) -> dict:
+    """``extra``: trainer flags after ``--``, appended to every system's job."""
     work = os.path.abspath(args.work)
     os.makedirs(work, exist_ok=True)
     tree = args.tree or unpack_tree(args.archive, work)
@@ -180,16 +196,21 @@ def run(args) -> dict:
     if bad:
         raise SystemExit(f"unknown system(s) {bad}; known: {', '.join(SYSTEMS)}")
     job = PeerJob(tree=os.path.abspath(tree), python=args.python or sys.executable,
-                  flags=MODEL_FLAGS + ["--train-iters", str(args.train_iters)],
+                  flags=MODEL_FLAGS + list(extra) + ["--train-iters", str(args.train_iters)],
                   train_iters=args.train_iters, save_interval=args.save_interval,
                   nodes=args.nodes, timeout_s=args.timeout)
     kill = {"iter": args.kill_iter, "rank": args.kill_rank}
-    records = run_rounds(job, systems, args.runs, kill, work)
+    if (args.kill_iter - 1) % args.save_interval == 0:
+        print(f"warning: iteration {args.kill_iter - 1} is saved: the kill, on its log line, "
+              "lands in that save, so the checkpoint systems restart from the one before",
+              file=sys.stderr, flush=True)
+    records = run_rounds(job, systems, args.runs, kill, work, reparse=args.reparse)
     result = {"config": {"runs": args.runs, "train_iters": args.train_iters,
                          "kill_iter": args.kill_iter, "kill_rank": args.kill_rank,
                          "save_interval": args.save_interval, "mtbf_s": args.mtbf,
                          "nodes": args.nodes, "procs_per_node": job.procs_per_node,
-                         "spares": job.spares, "systems": systems, "tree": tree},
+                         "spares": job.spares, "systems": systems, "tree": tree,
+                         "flags": job.flags},
               "versions": versions(job.python), "runs": records,
               "summary": summarize(records, systems, args.mtbf)}
     Path(args.json or os.path.join(work, "peers.json")).write_text(
@@ -217,3 +238,5 @@ def add_arguments(p) -> None:
     p.add_argument("--timeout", type=float, default=1200.0, help="per run, s")
     p.add_argument("--json", default=None, metavar="FILE")
     p.add_argument("--markdown", default=None, metavar="FILE")
+    p.add_argument("--reparse", action="store_true", help="run nothing: measure the runs "
+                   "already under --work again (same options)")

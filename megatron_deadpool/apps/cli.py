@@ -137,7 +137,9 @@ def _add_bench(sub) -> None:
     from .bench_peers import add_arguments as add_peers
 
     add_peers(bsub.add_parser("peers", help="DeadPool against NVRx and a whole-job relaunch "
-                              "on the same Megatron-LM job, one injector (docs/peers.md)"))
+                              "on the same Megatron-LM job, one injector (docs/peers.md; "
+                              "usage: deadpool bench peers [options] [-- <more trainer "
+                              "flags>])"))
 
 
 def _run_launch(args, rest: List[str]) -> int:
@@ -203,7 +205,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.bench == "peers":
                 from .bench_peers import run as peers
 
-                runs = peers(args)["runs"]
+                runs = peers(args, rest)["runs"]
                 return 0 if runs and all(r["outcome"] == "done" for r in runs) else 1
             if args.bench == "overhead":
                 result = bench.overhead(rest, rounds=args.rounds, nodes=args.nodes,
