@@ -140,7 +140,7 @@ def test_free_run_costs_separate_the_save():
     c = peer_log.free_run_costs(peer_log.parse(FREE), train_iters=10)
     assert c["iteration_s"] == pytest.approx(1.0)
     assert c["save_s"] == pytest.approx(0.5)
-    assert c["span_s"] == pytest.approx(20.5 - 11.0)  # iteration 1's end to the last's
+    assert c["free_span_s"] == pytest.approx(20.5 - 11.0)  # iteration 1's end to the last's
 
 
 def test_parse_ignores_unstamped_and_prefixed_lines():
@@ -170,6 +170,10 @@ def test_summary_ratio_young_and_table():
     assert s["relaunch"]["young_interval"]["s"] == pytest.approx(120.0)
     assert s["relaunch"]["young_interval"]["iterations"] == 240
     assert "young_interval" not in s["deadpool"]  # no saves to size
+    for r in records:
+        r["free_span_s"] = 50.0
+    per_run = bench_peers.summarize(records, ["relaunch"], mtbf_s=None)["relaunch"]
+    assert per_run["young_interval"]["s"] == pytest.approx((2 * 2.0 * 50.0) ** 0.5)
     cfg = {"runs": 3, "kill_iter": 12, "train_iters": 20, "kill_rank": 2, "save_interval": 5,
            "mtbf_s": 3600.0}
     table = bench_peers.markdown({"summary": s, "config": cfg})

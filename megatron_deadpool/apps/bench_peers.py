@@ -136,17 +136,23 @@ def _s(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def summarize(records: List[dict], systems: List[str], mtbf_s: float) -> Dict[str, dict]:
+def summarize(records: List[dict], systems: List[str], mtbf_s: Optional[float]
+              ) -> Dict[str, dict]:
+    """Per system: medians and ranges, the lost-time ratio to DeadPool and Young's interval
+    (``mtbf_s`` None: one failure per failure-free run, the rate this benchmark imposes)."""
     out = {}
     for system in systems:
         rs = [r for r in records if r["system"] == system]
-        s = {k: peer_log.summarize([r[k] for r in rs])
-             for k in ("recovery_s", "redone", "lost_s", "iteration_s", "save_s")}
+        s = {k: peer_log.summarize([r.get(k) for r in rs])
+             for k in ("recovery_s", "redone", "lost_s", "iteration_s", "save_s",
+                       "free_span_s")}
         s["bitwise"] = f"{sum(r['bitwise'] for r in rs)}/{len(rs)}"
         save, step = s["save_s"]["median"], s["iteration_s"]["median"]
-        if save is not None and save > 0 and step:
-            young = peer_log.young_interval_s(save, mtbf_s)
-            s["young_interval"] = {"s": young, "iterations": max(1, round(young / step))}
+        mtbf = mtbf_s if mtbf_s is not None else s["free_span_s"]["median"]
+        if save is not None and save > 0 and step and mtbf:
+            young = peer_log.young_interval_s(save, mtbf)
+            s["young_interval"] = {"s": young, "iterations": max(1, round(young / step)),
+                                   "mtbf_s": mtbf}
         out[system] = s
     ref = (out.get("deadpool") or {}).get("lost_s", {}).get("median")
     for system, s in out.items():
@@ -181,8 +187,11 @@ def markdown(result: dict) -> str:
             f"{cfg['runs']} alternated run(s) per system; kill at iteration "
             f"{cfg['kill_iter']} of {cfg['train_iters']}, the node of rank "
             f"{cfg['kill_rank']}; save interval {cfg['save_interval']}. Young's interval "
-            f"sqrt(2 × save s × MTBF), MTBF {cfg['mtbf_s']:.0f} s: "
-            + (", ".join(f"{k} {v['s']:.0f} s ≈ {v['iterations']} iterations"
+            "sqrt(2 × save s × MTBF), MTBF " + ("one failure per failure-free run"
+                                               if cfg["mtbf_s"] is None else
+                                               f"{cfg['mtbf_s']:.0f} s") + ": "
+            + (", ".join(f"{k} {v['s']:.1f} s ≈ {v['iterations']} iterations "
+                         f"(MTBF {v['mtbf_s']:.0f} s)"
                          for k, v in young.items()) or "-") + "\n")
 
 
@@ -234,7 +243,8 @@ def add_arguments(p) -> None:
     p.add_argument("--kill-rank", type=int, default=2, help="the node of this rank is killed")
     p.add_argument("--save-interval", type=int, default=5)
     p.add_argument("--nodes", type=int, default=4, help="active nodes of 2 processes")
-    p.add_argument("--mtbf", type=float, default=3600.0, help="for Young's interval, s")
+    p.add_argument("--mtbf", type=float, default=None, help="for Young's interval, s "
+                   "(default: one failure per failure-free run, the rate imposed here)")
     p.add_argument("--timeout", type=float, default=1200.0, help="per run, s")
     p.add_argument("--json", default=None, metavar="FILE")
     p.add_argument("--markdown", default=None, metavar="FILE")

@@ -107,7 +107,7 @@ def free_run_costs(log: RunLog, train_iters: int) -> dict:
     costs = [dt - step for it, dt in after_save.items() if step is not None
              and it < train_iters]
     return {"iteration_s": step, "save_s": statistics.median(costs) if costs else None,
-            "saves": len(log.saves), "span_s": span(log, train_iters)}
+            "saves": len(log.saves), "free_span_s": span(log, train_iters)}
 
 
 def failure_run(log: RunLog, free: RunLog, train_iters: int) -> dict:
