@@ -179,3 +179,12 @@ def test_summary_ratio_young_and_table():
     table = bench_peers.markdown({"summary": s, "config": cfg})
     row = next(x for x in table.splitlines() if x.startswith("| relaunch"))
     assert "45.00 (30.00–60.00)" in row and "| 15.0 |" in row and "0/3" in row
+
+
+def test_local_saves_count_once_per_save():
+    text = _log([_it(1.0, 1), "1.500 INFO:root:Successfully saved local checkpoint from "
+                 "iteration 1", "1.510 INFO:root:Successfully saved local checkpoint from "
+                 "iteration 1", "1.520   [x] successfully saved local checkpoint from "
+                 "iteration       1", _it(2.5, 2), _it(3.0, 3)])
+    log = peer_log.parse(text)
+    assert log.saves == [(1.5, 1)]

@@ -6,7 +6,8 @@ every line any process of the job printed, stamped on arrival, and the benchmark
 markers, ``#peers <event> key=value ...`` (``kill``: the injector fired; ``start``: a
 (re)launch of the job; ``exit``: the job ended). Megatron-LM logs a finished iteration as
 ``iteration   N/  T | ...`` (``--log-interval 1``) and a finished save as
-``successfully saved checkpoint from iteration   N ...``.
+``successfully saved checkpoint from iteration   N ...`` (a local checkpoint: ``... saved
+local checkpoint ...``, from every rank).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 ITERATION = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|")
-SAVED = re.compile(r"successfully saved checkpoint from iteration\s+(\d+)")
+# persistent saves (Megatron-LM's rank 0) and local ones (NVRx's manager, every rank)
+SAVED = re.compile(r"successfully saved (?:local )?checkpoint from iteration\s+(\d+)", re.I)
 MARKER = re.compile(r"#peers (\w+)((?: \w+=\S*)*)\s*$")
 
 
@@ -50,7 +52,7 @@ class RunLog:
 
 
 def parse(text: str) -> RunLog:
-    out = RunLog()
+    out, last_save = RunLog(), None
     for line in text.splitlines():
         head, _, rest = line.partition(" ")
         try:
@@ -68,8 +70,9 @@ def parse(text: str) -> RunLog:
             out.iterations.append((t, it))
             continue
         s = SAVED.search(rest)
-        if s:
-            out.saves.append((t, int(s.group(1))))
+        if s and (int(s.group(1)), len(out.iterations)) != last_save:
+            out.saves.append((t, int(s.group(1))))  # once per save, not once per rank
+            last_save = (int(s.group(1)), len(out.iterations))
     return out
 
 
