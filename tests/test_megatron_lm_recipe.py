@@ -102,10 +102,12 @@ def test_real_blended_data_with_a_validation_split_through_a_swap(tree, tmp_path
     assert {re.search(r"iteration (\d+)", label).group(1) for label, _ in vr} == {"4", "8", "12"}
 
 
-# The recipe: bf16, real data, overlapped grad-reduce and param-gather, sequence parallel,
-# evaluation and --save
+# The recipe: bf16, real data, overlapped grad-reduce and param-gather, the interleaved
+# pipeline, sequence parallel, evaluation and --save. (bf16 with the interleaved pipeline
+# gave NaN on core_v0.16.1's CPU path: an overlapped p2p send read a freed buffer, an
+# upstream race fixed in core_v0.19.0; cpu_standins.overlapped_p2p_sends covers 0.16.1.)
 RECIPE = ["--deadpool", "--bf16", "--overlap-grad-reduce", "--overlap-param-gather",
-          "--sequence-parallel"] + EVAL
+          "--num-layers-per-virtual-pipeline-stage", "1", "--sequence-parallel"] + EVAL
 
 
 @pytest.mark.parametrize("tag", ON_NEWEST_IN_CI)
