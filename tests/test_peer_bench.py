@@ -188,3 +188,33 @@ def test_local_saves_count_once_per_save():
                  "iteration       1", _it(2.5, 2), _it(3.0, 3)])
     log = peer_log.parse(text)
     assert log.saves == [(1.5, 1)]
+
+
+def _checkpoint(root, step, weight):
+    import io
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    groups = io.BytesIO()
+    torch.save([{"param_groups": [{"lr": 1e-3, "step": step}]}], groups)
+    groups.seek(0)
+    d = root / "iter_0000004"
+    dcp.save({"decoder.weight": torch.full((4,), weight),
+              "optimizer.distributed.dp_group_idx_0.optimizer": groups},
+             storage_writer=dcp.FileSystemWriter(str(d)), no_dist=True)
+    return root
+
+
+def test_fingerprint_sees_tensors_and_the_optimizer_step(tmp_path):
+    """One fingerprint for every system: a different weight or Adam step count (an object,
+    not a tensor) changes it; the same state gives the same one; no checkpoint, None."""
+    from megatron_deadpool.apps.bench_peers import fingerprint, optimizer_steps
+
+    a = _checkpoint(tmp_path / "a", 4.0, 1.0)
+    assert [s for _, _, s in optimizer_steps(str(a / "iter_0000004"))] == [4.0]
+    same = fingerprint(str(_checkpoint(tmp_path / "b", 4.0, 1.0)), 4)
+    assert fingerprint(str(a), 4) == same and same
+    assert fingerprint(str(_checkpoint(tmp_path / "c", 2.0, 1.0)), 4) != same
+    assert fingerprint(str(_checkpoint(tmp_path / "d", 4.0, 1.5)), 4) != same
+    assert fingerprint(str(a), 8) is None

@@ -8,7 +8,8 @@ run whose node is SIGKILLed when iteration K starts. Each run's log gives the re
 against the same round's failure-free run of that system, the step time and the save cost.
 The fingerprint, the same for every system: SHA-256 over every tensor (parameters and the
 distributed optimizer's state) of the checkpoint each run writes with ``--save`` at the last
-iteration, plus that iteration; a run is bitwise when it equals its failure-free run's.
+iteration, its optimizer step counts and that iteration; a run is bitwise when it equals
+its failure-free run's.
 """
 
 from __future__ import annotations
@@ -51,19 +52,48 @@ def unpack_tree(archive: str, dest: str) -> str:
 
 def fingerprint(ck: str, iteration: int) -> Optional[str]:
     """SHA-256 of the checkpoint of ``iteration`` under ``ck``: every tensor by name, dtype,
-    shape and bytes; None if that checkpoint does not exist."""
+    shape and bytes, the optimizer's step counts (``param_groups[*].step``: Adam's bias
+    correction; stored as objects, not tensors) and the iteration; None if that checkpoint
+    does not exist."""
+    import torch
+
     from ..adapters.checkpoints import load_tensors
 
     d = os.path.join(ck, f"iter_{iteration:07d}")
-    if not os.path.isfile(os.path.join(d, "metadata.json")):
+    if not os.path.isfile(os.path.join(d, ".metadata")):  # torch.distributed.checkpoint
         return None
     h = hashlib.sha256(f"iteration {iteration}\n".encode())
     for key, t in sorted(load_tensors(d).items()):
         t = t.detach().contiguous().cpu()
         h.update(f"{key} {t.dtype} {tuple(t.shape)}\n".encode())
-        h.update(t.view(-1).view(__import__("torch").uint8).numpy().tobytes()
-                 if t.numel() else b"")
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    h.update(repr(optimizer_steps(d)).encode())
     return h.hexdigest()
+
+
+def optimizer_steps(checkpoint_dir: str) -> List[tuple]:
+    """(object key, param group, step) of every optimizer object a ``torch_dist``
+    checkpoint holds."""
+    import io
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    sd: dict = {}
+    _load_state_dict(sd, storage_reader=FileSystemReader(checkpoint_dir),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    out = []
+    for key in sorted(k for k in sd if ".optimizer/" in k or k.endswith(".optimizer")):
+        obj = sd[key]
+        if isinstance(obj, io.BytesIO):
+            obj.seek(0)
+            obj = torch.load(obj, weights_only=False)
+        for part in obj if isinstance(obj, list) else [obj]:
+            groups = part.get("param_groups", []) if isinstance(part, dict) else []
+            out += [(key, i, g.get("step")) for i, g in enumerate(groups)]
+    return out
 
 
 def versions(python: str) -> Dict[str, Optional[str]]:
