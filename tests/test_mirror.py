@@ -31,7 +31,7 @@ def test_rank_killed_during_optimizer_restores_from_buddy(tmp_path, reference, t
     assert m["host_bytes_per_rank"] <= 4 * m["mirror_bytes_per_rank"]
 
 
-@pytest.mark.ci
+# Not in CI (109 s there): a benchmark's output fields; `make test-all` runs it.
 def test_bench_overhead_prints_and_writes_fields(tmp_path):
     out = tmp_path / "o.json"
     p = deadpool(["bench", "overhead", "--json", str(out), "--rounds", "1",
