@@ -85,7 +85,8 @@ def train_and_snapshot(path: str) -> str:
     for i in range(STEPS):
         step(model, opt, batch(i))
     params = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    blob = metadata.encode({"module_extra_state": extra_state.capture([model])})
+    held = extra_state.capture(extra_state.holders([model]))
+    blob = metadata.encode({"module_extra_state": held})
     torch.save({"params": params, "opt": opt.state_dict(), "meta": blob}, path)
     return digest(model, step(model, opt, batch(STEPS)))
 
@@ -101,7 +102,8 @@ def restore_and_step(path: str, with_extra: bool) -> str:
     model.load_state_dict(snap["params"], strict=False)
     opt.load_state_dict(snap["opt"])
     if with_extra:
-        extra_state.apply([model], metadata.decode(snap["meta"])["module_extra_state"])
+        states = metadata.decode(snap["meta"])["module_extra_state"]
+        extra_state.apply(extra_state.holders([model]), states)
     return digest(model, step(model, opt, batch(STEPS)))
 
 

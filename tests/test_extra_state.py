@@ -62,12 +62,12 @@ def test_scaling_state_reaches_a_fresh_model_bitwise(as_bytesio):
     trained = [_model(as_bytesio)]
     for _ in range(3):
         trained[0][0](torch.randn(4))
-    captured = extra_state.capture(trained)
+    captured = extra_state.capture(extra_state.holders(trained))
     assert list(captured) == ["chunk0.0"]  # Local's None and Linear carry nothing
     meta = metadata.decode(metadata.encode({"module_extra_state": captured}))
     fresh = [_model(as_bytesio)]
     assert not torch.equal(fresh[0][0].fp8_meta["scale"], trained[0][0].fp8_meta["scale"])
-    extra_state.apply(fresh, meta["module_extra_state"])
+    extra_state.apply(extra_state.holders(fresh), meta["module_extra_state"])
     for k in ("amax_history", "scale"):
         assert torch.equal(fresh[0][0].fp8_meta[k], trained[0][0].fp8_meta[k])
     x = torch.randn(4)  # the next forward, and its scaling update, match
@@ -77,23 +77,24 @@ def test_scaling_state_reaches_a_fresh_model_bitwise(as_bytesio):
 
 def test_the_capture_is_a_copy_not_a_view():
     m = [_model()]
-    captured = extra_state.capture(m)
+    captured = extra_state.capture(extra_state.holders(m))
     before = captured["chunk0.0"].clone()
     m[0][0](torch.full((4,), 7.0))
     assert torch.equal(captured["chunk0.0"], before)
 
 
 def test_a_model_without_extra_state_adds_nothing():
-    assert extra_state.capture([torch.nn.Sequential(Local(), torch.nn.Linear(2, 2))]) == {}
+    assert extra_state.capture(extra_state.holders(
+        [torch.nn.Sequential(Local(), torch.nn.Linear(2, 2))])) == {}
 
 
 def test_an_unknown_module_or_type_is_refused():
     with pytest.raises(DeadpoolError, match="unknown modules"):
-        extra_state.apply([torch.nn.Linear(2, 2)], {"chunk0.x": b"1"})
+        extra_state.apply(extra_state.holders([torch.nn.Linear(2, 2)]), {"chunk0.x": b"1"})
 
     class Odd(Local):
         def get_extra_state(self):
             return {"a": 1}
 
     with pytest.raises(DeadpoolError, match="cannot mirror"):
-        extra_state.capture([Odd()])
+        extra_state.capture(extra_state.holders([Odd()]))

@@ -13,26 +13,30 @@ bytes of a ``BytesIO``, never a pickle read back here); a restore hands each val
 from __future__ import annotations
 
 import io
-from typing import Dict, Iterator, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
 from ..base.errors import DeadpoolError
 
 
-def _modules(model_chunks: Sequence[torch.nn.Module]) -> Iterator[Tuple[str, torch.nn.Module]]:
+Holders = List[Tuple[str, torch.nn.Module]]
+
+
+def holders(model_chunks: Sequence[torch.nn.Module]) -> Holders:
+    """The modules whose class overrides ``get_extra_state``, by name: found once, at
+    attach (the model's modules do not change), not walked again every step."""
     base = torch.nn.Module.get_extra_state
-    for ci, chunk in enumerate(model_chunks):
-        for name, m in chunk.named_modules():
-            if getattr(type(m), "get_extra_state", base) is not base:
-                yield f"chunk{ci}.{name}", m
+    return [(f"chunk{ci}.{name}", m) for ci, chunk in enumerate(model_chunks)
+            for name, m in chunk.named_modules()
+            if getattr(type(m), "get_extra_state", base) is not base]
 
 
-def capture(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, object]:
+def capture(mods: Holders) -> Dict[str, object]:
     """{module name: its extra state}, as a CPU tensor (a copy) or bytes; modules whose
     extra state is None are left out. Another type is refused, not pickled."""
     out: Dict[str, object] = {}
-    for name, m in _modules(model_chunks):
+    for name, m in mods:
         s = m.get_extra_state()
         if s is None:
             continue
@@ -46,12 +50,12 @@ def capture(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, object]:
     return out
 
 
-def apply(model_chunks: Sequence[torch.nn.Module], states: Dict[str, object]) -> None:
+def apply(mods: Holders, states: Dict[str, object]) -> None:
     """Give each module its captured extra state back (``set_extra_state``). A name with no
     such module is an error: the snapshot belongs to another model."""
-    mods = dict(_modules(model_chunks))
-    missing = sorted(set(states) - set(mods))
+    by_name = dict(mods)
+    missing = sorted(set(states) - set(by_name))
     if missing:
         raise DeadpoolError(f"snapshot has extra state for unknown modules: {missing[:3]}")
     for name, s in states.items():
-        mods[name].set_extra_state(io.BytesIO(s) if isinstance(s, bytes) else s)
+        by_name[name].set_extra_state(io.BytesIO(s) if isinstance(s, bytes) else s)

@@ -90,6 +90,7 @@ class Protected:
         check_supported(model, optimizer)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.train_state, self._with_cuda = train_state, with_cuda
+        self._extra = extra_state.holders(model)  # TE's FP8 scaling state, if any
         self._wrap_optimizer_step(optimizer, fault_points)
         self.slots = GroupSlots([model, optimizer])
         if self.slots.unknown:
@@ -190,7 +191,7 @@ class Protected:
             meta["rng"] = ts.compact_rng(meta["rng"])
             meta["optimizer_state_empty"] = shard.optimizer_state_empty(self.optimizer)
             meta["param_groups"] = shard.group_state(self.optimizer)
-            modules = extra_state.capture(self.model)  # TE's FP8 scaling state
+            modules = extra_state.capture(self._extra)
             if modules:
                 meta["module_extra_state"] = modules
         return meta
@@ -262,7 +263,7 @@ class Protected:
     def _apply(self, meta: dict) -> None:
         shard.load_group_state(self.optimizer, meta["param_groups"])
         ts.apply(meta, self.train_state, self.scheduler, self.optimizer)
-        extra_state.apply(self.model, meta.get("module_extra_state", {}))
+        extra_state.apply(self._extra, meta.get("module_extra_state", {}))
         self.restored_meta = meta
 
     def settle_snapshot(self) -> None:
