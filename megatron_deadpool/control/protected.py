@@ -66,6 +66,7 @@ class Protected:
         self.fallback = Fallback(settings.fallback_dir, settings.fallback_every, settings.job_id)
         self.alarms, self._emit = Alarms(emit), emit  # mirror failures are loud (alarms.py)
         self.model = self.optimizer = self.scheduler = self.train_state = None
+        self._extra: extra_state.Holders = []  # found at attach
         self.mirror: Optional[Mirror] = None
         self.slots: Optional[GroupSlots] = None
         self.reaper = Reaper()
