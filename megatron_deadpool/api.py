@@ -284,9 +284,7 @@ class Deadpool:
                                       with_cuda=self.device.type == "cuda")
         digest = shard.rank_digest(model, optimizer, resume)
         parts = shard.digest_parts(model, optimizer, resume)
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, digest)
-        combined = shard.combine_digests(gathered)
+        combined = shard.combine_digests(shard.gather_digests(digest, self.device))
         extra_fields = extra
         extra = self._runtime.finish() if self._runtime is not None else {}
         dist.barrier()

@@ -214,3 +214,19 @@ def combine_digests(digests_in_rank_order: Sequence[str]) -> str:
     for r, d in enumerate(digests_in_rank_order):
         h.update(f"{r}:{d};".encode())
     return h.hexdigest()
+
+
+def gather_digests(digest: str, device: torch.device, group=None) -> list:
+    """Every rank's ``rank_digest`` in global rank order, gathered as 32 raw bytes each on
+    ``device`` (the group backend's) -- values only: an object collective would unpickle
+    what peers send."""
+    import torch.distributed as dist
+
+    raw = bytes.fromhex(digest)
+    if len(raw) != 32:
+        raise ValueError(f"a rank digest is 32 bytes of SHA-256, got {len(raw)}")
+    mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+    out = [torch.empty(32, dtype=torch.uint8, device=device)
+           for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, mine, group=group)
+    return [bytes(t.cpu().tolist()).hex() for t in out]

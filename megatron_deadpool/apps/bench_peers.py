@@ -89,7 +89,7 @@ def optimizer_steps(checkpoint_dir: str) -> List[tuple]:
         obj = sd[key]
         if isinstance(obj, io.BytesIO):
             obj.seek(0)
-            obj = torch.load(obj, weights_only=False)
+            obj = torch.load(obj, weights_only=True)
         for part in obj if isinstance(obj, list) else [obj]:
             groups = part.get("param_groups", []) if isinstance(part, dict) else []
             out += [(key, i, g.get("step")) for i, g in enumerate(groups)]
