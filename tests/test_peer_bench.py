@@ -218,3 +218,97 @@ def test_fingerprint_sees_tensors_and_the_optimizer_step(tmp_path):
     assert fingerprint(str(_checkpoint(tmp_path / "c", 2.0, 1.0)), 4) != same
     assert fingerprint(str(_checkpoint(tmp_path / "d", 4.0, 1.5)), 4) != same
     assert fingerprint(str(a), 8) is None
+
+
+def _peers_file(tmp_path, pieces=True):
+    import json
+
+    def s(med):
+        return {"median": med, "min": med, "max": med, "n": 5}
+
+    def system(rec, redone, other, load):
+        out = {"recovery_s": s(rec), "redone": s(redone), "iteration_s": s(0.4),
+               "save_s": s(2.0), "lost_s": s(rec + 1)}
+        if pieces:
+            out["pieces"] = {"other_s": other, "init_s": 4.0, "build_s": 0.5,
+                             "load_s": load, "data_s": 0.8}
+        return out
+
+    summary = {"deadpool": system(1.7, 0, 1.2, 0.0), "nvrx": system(14.0, 2, 8.0, 1.7),
+               "nvrx-local": system(30.0, 2, 20.0, 0.5),
+               "relaunch": system(40.0, 2, 31.0, 1.7)}
+    path = tmp_path / "peers.json"
+    path.write_text(json.dumps({"summary": summary}))
+    return path
+
+
+def test_restart_pieces_read_from_megatron_timers():
+    """A restart's start-up, split by Megatron-LM's own prints after the kill."""
+    text = _log([peer_log.marker(0.0, "start", attempt=1), _it(1.0, 1), _it(2.0, 2),
+                 _it(3.0, 3), peer_log.marker(3.1, "kill", iter=4, node="x=1", pids="3"),
+                 peer_log.marker(3.5, "start", attempt=2),
+                 "20.0 time to initialize megatron (seconds): 4.000",
+                 "22.0     load-checkpoint ................................: (10.5, 1500.0)",
+                 "22.1     model-and-optimizer-setup ......................: (90.0, 2000.0)",
+                 "22.2     train/valid/test-data-iterators-setup ..........: (1.0, 800.0)",
+                 _it(23.1, 3), _it(24.1, 4)])
+    log = peer_log.parse(text)
+    p = peer_log.restart_pieces(log, 3.1, 23.1, 1.0)
+    assert p["init_s"] == 4.0 and p["load_s"] == 1.5 and p["build_s"] == 0.5
+    assert p["data_s"] == 0.8
+    assert abs(p["other_s"] - (20.0 - 4.0 - 1.5 - 0.5 - 0.8 - 1.0)) < 1e-9
+    hot = peer_log.restart_pieces(peer_log.parse(_log([_it(5.0, 5)])), 1.0, 5.0, 1.0)
+    assert hot == {"init_s": 0.0, "load_s": 0.0, "build_s": 0.0, "data_s": 0.0,
+                   "other_s": 3.0}
+
+
+def test_sim_peers_projects_each_system_at_each_scale(tmp_path):
+    from megatron_deadpool.apps import sim, sim_peers
+
+    cfg = sim.SimConfig()
+    peers = sim_peers.load_pieces(_peers_file(tmp_path))
+    result = sim_peers.project(cfg, sim_peers_measured(), peers)
+    assert list(result["per_scale"]) == ["512", "4096", "100000"]
+    for v in result["per_scale"].values():
+        row = v["systems"]
+        assert set(row) == set(sim_peers.SYSTEMS)
+        assert row["deadpool"]["lost_ratio_to_deadpool"] == 1.0
+        # the measured pieces are used as measured; the scale costs are the assumptions
+        assert row["relaunch"]["parts"]["start_measured_s"] == 31.0
+        assert row["relaunch"]["parts"]["requeue_s"] == 300.0
+        assert row["nvrx"]["parts"]["requeue_s"] == 0.0
+        assert row["relaunch"]["lost_s"] - row["nvrx"]["lost_s"] == \
+            300.0 + 31.0 - 8.0
+        for x in row.values():
+            assert 0.0 <= x["goodput"] <= 1.0
+    table = "\n".join(sim_peers.format_table(result))
+    assert "nvrx-local" in table and "100000" in table
+
+
+def sim_peers_measured():
+    from pathlib import Path
+
+    return str(Path(__file__).resolve().parent.parent / "docs" / "data" / "bench_recovery.json")
+
+
+def test_sim_peers_refuses_a_file_without_pieces(tmp_path):
+    from megatron_deadpool.apps import sim_peers
+    from megatron_deadpool.base.errors import DeadpoolError
+
+    with pytest.raises(DeadpoolError, match="no restart pieces"):
+        sim_peers.load_pieces(_peers_file(tmp_path, pieces=False))
+    with pytest.raises(DeadpoolError, match="not found"):
+        sim_peers.load_pieces(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(DeadpoolError, match="not a bench peers result"):
+        sim_peers.load_pieces(tmp_path / "bad.json")
+
+
+def test_deadpool_sim_peers_cli(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "megatron_deadpool.apps.cli", "sim", "--peers",
+                        str(_peers_file(tmp_path))], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "deadpool" in r.stdout and "relaunch" in r.stdout and "4096" in r.stdout

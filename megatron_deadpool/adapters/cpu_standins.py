@@ -105,9 +105,12 @@ def empty_adam_state_dict() -> None:
     load = do.DistributedOptimizer.load_state_dict
 
     def load_state_dict(self, sd):
+        steps = _checkpoint_steps(sd)  # read before the load, which may consume sd
         with torch.no_grad():
             out = load(self, sd)
         _unshare_steps(self.optimizer)
+        if not getattr(do, "HAVE_APEX_OR_TE", True):
+            _restore_steps(self.optimizer, steps)
         return out
 
     do.DistributedOptimizer.load_state_dict = load_state_dict
@@ -129,6 +132,24 @@ def _unshare_steps(inner) -> None:
             if id(step) in seen:
                 state["step"] = step.detach().clone()
             seen.add(id(state["step"]))
+
+
+def _checkpoint_steps(sd) -> set:
+    groups = ((sd or {}).get("optimizer") or {}).get("param_groups") or []
+    return {float(g["step"]) for g in groups if "step" in g}
+
+
+def _restore_steps(inner, steps: set) -> None:
+    """The same load sets torch Adam's ``step`` from the checkpoint's ``param_groups`` and
+    then, in ``load_parameter_state_from_dp_reshardable``, copies over it the ``step`` that
+    the sharded state dict was built with before the load (a template: 0), so a resumed
+    run's bias correction started again from step 1. The checkpoint's step is put back."""
+    if len(steps) != 1 or not isinstance(inner, torch.optim.Optimizer):
+        return
+    step = next(iter(steps))
+    for state in inner.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"].fill_(step)
 
 
 class _KeepSent:

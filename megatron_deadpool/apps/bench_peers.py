@@ -177,6 +177,8 @@ def summarize(records: List[dict], systems: List[str], mtbf_s: Optional[float]
              for k in ("recovery_s", "redone", "lost_s", "iteration_s", "save_s",
                        "free_span_s")}
         s["bitwise"] = f"{sum(r['bitwise'] for r in rs)}/{len(rs)}"
+        s["pieces"] = {k: peer_log.summarize([(r.get("pieces") or {}).get(k) for r in rs])
+                       ["median"] for k in peer_log.PIECES}
         save, step = s["save_s"]["median"], s["iteration_s"]["median"]
         mtbf = mtbf_s if mtbf_s is not None else s["free_span_s"]["median"]
         if save is not None and save > 0 and step and mtbf:

@@ -258,9 +258,15 @@ def _run_sim(args) -> int:
     cfg = sim.SimConfig(**kw)
     measured = args.measured or str(Path(__file__).resolve().parents[2] / "docs" / "data"
                                     / "bench_recovery.json")
-    result = sim.simulate(cfg, measured)
-    print("\n".join(sim_plot.format_table(result)))
-    for w in sim_plot.warnings(result):
+    if args.peers:
+        from . import sim_peers
+
+        result = sim_peers.project(cfg, measured, sim_peers.load_pieces(args.peers))
+        print("\n".join(sim_peers.format_table(result)))
+    else:
+        result = sim.simulate(cfg, measured)
+        print("\n".join(sim_plot.format_table(result)))
+    for w in ([] if args.peers else sim_plot.warnings(result)):
         print(w, file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:

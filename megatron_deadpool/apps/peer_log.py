@@ -21,6 +21,14 @@ ITERATION = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|")
 # persistent saves (Megatron-LM's rank 0) and local ones (NVRx's manager, every rank)
 SAVED = re.compile(r"successfully saved (?:local )?checkpoint from iteration\s+(\d+)", re.I)
 MARKER = re.compile(r"#peers (\w+)((?: \w+=\S*)*)\s*$")
+# the start-up a restart pays, as Megatron-LM's timers print it (max over ranks, ms) and its
+# "time to initialize megatron (seconds): X" (distributed init, rendezvous included)
+TIMER = re.compile(r"^\s*(load-checkpoint|model-and-optimizer-setup|"
+                   r"train/valid/test-data-iterators-setup)\s*\.+:\s*\(([\d.]+),\s*([\d.]+)\)")
+INIT = re.compile(r"time to initialize megatron \(seconds\):\s*([\d.]+)")
+PIECES = ("other_s", "init_s", "build_s", "load_s", "data_s")  # restart_pieces' keys
+PIECE = {"load-checkpoint": "load_s", "model-and-optimizer-setup": "setup_s",
+         "train/valid/test-data-iterators-setup": "data_s"}
 
 
 def stamp(t: float, text: str) -> str:
@@ -43,6 +51,7 @@ class RunLog:
     saves: List[Tuple[float, int]] = field(default_factory=list)       # (t, saved iter)
     markers: List[Tuple[float, str, Dict[str, str]]] = field(default_factory=list)
     seen: List[int] = field(default_factory=list)  # per marker: iteration lines before it
+    timers: List[Tuple[float, str, float]] = field(default_factory=list)  # (t, piece, s)
 
     def first(self, event: str) -> Optional[Tuple[float, Dict[str, str]]]:
         return next(((t, f) for t, e, f in self.markers if e == event), None)
@@ -69,10 +78,42 @@ def parse(text: str) -> RunLog:
         if it is not None:
             out.iterations.append((t, it))
             continue
+        piece = _piece(rest)
+        if piece is not None:
+            out.timers.append((t, *piece))
+            continue
         s = SAVED.search(rest)
         if s and (int(s.group(1)), len(out.iterations)) != last_save:
             out.saves.append((t, int(s.group(1))))  # once per save, not once per rank
             last_save = (int(s.group(1)), len(out.iterations))
+    return out
+
+
+def _piece(text: str) -> Optional[Tuple[str, float]]:
+    m = TIMER.search(text)
+    if m:
+        return PIECE[m.group(1)], float(m.group(3)) / 1000.0
+    m = INIT.search(text)
+    return ("init_s", float(m.group(1))) if m else None
+
+
+def restart_pieces(log: RunLog, t_kill: float, t_first: float, step: Optional[float]
+                   ) -> dict:
+    """What the restart after the kill spent, from the first of each Megatron-LM start-up
+    print between the kill and the first step after it: ``init_s`` (Megatron's
+    initialization: distributed init and rendezvous), ``load_s`` (the checkpoint load),
+    ``build_s`` (model and optimizer built, the load taken out), ``data_s`` (data
+    iterators) and ``other_s``, the rest of the span less one step: failure detection,
+    process start, imports. A system that restarts nothing (a hot swap) has only
+    ``other_s``."""
+    got: Dict[str, float] = {}
+    for t, name, sec in log.timers:
+        if t_kill < t <= t_first and name not in got:
+            got[name] = sec
+    out = {"init_s": got.get("init_s", 0.0), "load_s": got.get("load_s", 0.0),
+           "build_s": max(0.0, got.get("setup_s", 0.0) - got.get("load_s", 0.0)),
+           "data_s": got.get("data_s", 0.0)}
+    out["other_s"] = max(0.0, t_first - t_kill - sum(out.values()) - (step or 0.0))
     return out
 
 
@@ -134,6 +175,8 @@ def failure_run(log: RunLog, free: RunLog, train_iters: int) -> dict:
         out["recovery_s"] = t1 - t_kill
         out["first_after"] = first
         out["redone"] = max(0, (max(before) if before else 0) - first + 1)
+        out["pieces"] = restart_pieces(log, t_kill, t1, free_run_costs(free, train_iters)
+                                       ["iteration_s"])
     return out
 
 

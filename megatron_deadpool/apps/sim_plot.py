@@ -134,5 +134,8 @@ def add_arguments(sp) -> None:
         sp.add_argument(flag, type=float, default=default, help=f"{what} (default {default})")
     sp.add_argument("--measured", default=None, metavar="R.json",
                     help="bench recovery --json output (default docs/data/bench_recovery.json)")
+    sp.add_argument("--peers", default=None, metavar="peers.json",
+                    help="bench peers' result: project each peer system beside DeadPool "
+                         "from its measured restart pieces (docs/peers.md)")
     sp.add_argument("--json", default=None, metavar="FILE")
     sp.add_argument("--plot", default=None, metavar="F.png")
