@@ -119,3 +119,29 @@ def dump_stacks_on_crash() -> None:
     if not faulthandler.is_enabled():
         faulthandler.enable(all_threads=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+
+
+def exit_with_launcher(poll_s: float = 0.25) -> None:
+    """Worker entry points under ``deadpool launch`` (``DEADPOOL_LID`` set): a daemon
+    thread that, once this process's parent (its node's launcher) is gone -- a SIGKILL, an
+    OOM kill, a crash: anything that skipped the launcher's own wind-down -- kills this
+    worker's process group, the worker and its children (e.g. Megatron-LM's checkpoint
+    writers). The worker leads its own session (``launch/agent.py``), so nothing else is
+    in that group. Orphans are noticed within ``poll_s``."""
+    import signal
+    import threading
+    import time
+
+    if os.environ.get(_NAMES["lid"]) is None:
+        return
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        try:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        except OSError:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="deadpool-launcher-watch", daemon=True).start()

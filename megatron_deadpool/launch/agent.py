@@ -52,6 +52,7 @@ class NodeAgent:
         self._last_hb = 0.0
         self._out_lock = threading.Lock()
         self._readers: List[threading.Thread] = []
+        self._stopped: List[subprocess.Popen] = []  # workers asked to stop (ask_to_stop)
 
     def start(self) -> None:
         for w in self.workers:
@@ -148,20 +149,32 @@ class NodeAgent:
     def alive(self) -> List[int]:
         return [lid for lid, p in self.procs.items() if p.poll() is None]
 
-    def terminate_all(self, grace_s: float = 5.0) -> None:
+    def kill_all(self) -> None:
         for lid in self.alive():
+            self.signal(lid, signal.SIGKILL)
+
+    def ask_to_stop(self) -> None:
+        """SIGTERM (after SIGCONT) to every live worker; ``terminate_all`` finishes it."""
+        for lid in self.alive():
+            self._stopped.append(self.procs[lid])
             self.signal(lid, signal.SIGCONT)
             self.signal(lid, signal.SIGTERM)
+
+    def terminate_all(self, grace_s: float = 5.0) -> None:
+        """SIGTERM to every live worker, SIGKILL after ``grace_s``; then what is left of
+        the sessions of the workers ended here (their children) is killed too."""
+        self.ask_to_stop()
         deadline = time.monotonic() + grace_s
         while self.alive() and time.monotonic() < deadline:
             time.sleep(0.05)
-        for lid in self.alive():
-            self.signal(lid, signal.SIGKILL)
+        self.kill_all()
         for p in self.procs.values():
             try:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+        for p in self._stopped:
+            self._reap_group(p)
 
     def join_output(self) -> None:
         for t in self._readers:

@@ -29,9 +29,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         raise SystemExit("usage: python -m megatron_deadpool.launch.child "
                          "[--device cpu|cuda] SCRIPT [flags...]")
     from ..membership import startup
-    from ..base.worker_env import dump_stacks_on_crash, log_to_stdout
+    from ..base.worker_env import dump_stacks_on_crash, exit_with_launcher, log_to_stdout
 
     dump_stacks_on_crash()
+    exit_with_launcher()  # a launcher killed outright leaves no orphans
     log_to_stdout()
     script = os.path.abspath(argv[0])
     sys.path.insert(0, os.path.dirname(script))

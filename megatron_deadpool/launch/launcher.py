@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import sys
 import tempfile
 import time
@@ -77,14 +78,19 @@ def run(opts: LaunchOptions, out=sys.stdout) -> dict:
         a.start()
     slurm = (watch_this_node(opts.node_rank, job.coord, say)
              if cfg.enabled and opts.node_rank is not None else None)  # a Slurm DRAIN
+    restore = _stop_on_signals(job)
     try:
         _supervise(job)
     except KeyboardInterrupt:
         job.failed = "interrupted"
+    except Signalled as exc:
+        job.failed = f"launcher stopped by {exc}"
+        say(f"{job.failed}: winding down (a second signal kills the workers at once)")
     finally:
         if slurm is not None:
             slurm.stop()
         _wind_down(job)
+        restore()
     codes = {lid: code for a in job.agents for lid, code in a.exit_codes.items()}
     summary = build_summary(opts, cfg, job.env.results_dir, job.decider, job.store, codes,
                             job.failed, time.time() - t0,
@@ -99,6 +105,38 @@ def run(opts: LaunchOptions, out=sys.stdout) -> dict:
         with open(opts.summary_json, "w") as f:
             json.dump(summary, f, indent=2)
     return summary
+
+
+STOP_GRACE_S = 5.0  # between a worker's SIGTERM and its SIGKILL when the launcher stops
+
+
+class Signalled(Exception):
+    """The launcher got SIGTERM or SIGHUP (the signal's name): the job winds down."""
+
+
+def _stop_on_signals(job: Job):
+    """SIGTERM or SIGHUP ends supervision like Ctrl-C: the wind-down gives every worker
+    SIGTERM, then SIGKILL after its grace. A second SIGTERM, SIGHUP or SIGINT kills every
+    worker's process group at once. A launcher killed outright is covered on the workers'
+    side (``worker_env.exit_with_launcher``). Returns what puts the old handlers back."""
+    seen = []
+
+    def handler(signum, frame):
+        seen.append(signum)
+        if len(seen) == 1:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise Signalled(signal.Signals(signum).name)
+        for a in job.agents:
+            a.kill_all()
+
+    old = {}
+    try:
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            old[sig] = signal.signal(sig, handler)
+    except ValueError:  # not the main thread (an embedding caller): its signals, its call
+        pass
+    return lambda: [signal.signal(sig, h) for sig, h in old.items()]
 
 
 def _setup(opts: LaunchOptions, cfg, faults, say, out) -> Job:
@@ -263,7 +301,12 @@ def _wind_down(job: Job) -> None:
                                   if job.cfg.fallback_save_dir else 10.0)
         while any(a.alive() for a in job.agents) and time.time() < deadline:
             time.sleep(0.05)
+    for a in job.agents:  # one grace for all the nodes, not one per node in turn
+        a.ask_to_stop()
+    deadline = time.monotonic() + STOP_GRACE_S
+    while any(a.alive() for a in job.agents) and time.monotonic() < deadline:
+        time.sleep(0.05)
     for a in job.agents:
-        a.terminate_all()
+        a.terminate_all(grace_s=0.0)
         a.join_output()
 

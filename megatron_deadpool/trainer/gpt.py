@@ -179,9 +179,10 @@ def _prepare(argv):
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(args, world_size)
 
-    from ..base.worker_env import dump_stacks_on_crash, log_to_stdout
+    from ..base.worker_env import dump_stacks_on_crash, exit_with_launcher, log_to_stdout
 
     dump_stacks_on_crash()
+    exit_with_launcher()  # a launcher killed outright leaves no orphans
     _choose_device(args)
     log_to_stdout()
     preimport()
