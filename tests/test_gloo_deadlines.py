@@ -1,6 +1,7 @@
 """World's gloo deadlines: the collective timeout while startup may keep ranks apart, then
 (first training step) the bounded per-op deadline on a gloo world, never on NCCL."""
 
+import time
 from datetime import timedelta
 
 import pytest
@@ -184,3 +185,76 @@ def test_a_save_outlasting_the_gloo_op_deadline_is_no_failure(tmp_path, section,
     waits = {r: v for r, v in got if isinstance(v, str)}
     assert ends in waits[0], waits
     assert [v for r, v in got if not isinstance(v, str)] == [1.0, 1.0]
+
+
+def _stuck_send_worker(rank: int, path: str, out) -> None:
+    """Rank 0: a healthy isend and a batched one (through the wrapper), then a send on a
+    gloo group that the abort's socket shutdown does not know (made outside
+    ``communicator_sockets``) to rank 1, which lives but never receives it, under a 20 s op
+    deadline: only the abort, from another thread, can end the wait early."""
+    import threading
+
+    from megatron.core import parallel_state as ps
+
+    store = dist.FileStore(path, 2)
+    w = World("gloo", 0, 60.0, 600.0, lambda *a, **k: None, gloo_op_timeout_s=20.0,
+              regroup_timeout_s=20.0)
+    w.mp_kwargs = {"pipeline_model_parallel_size": 2}
+    w.init_process_group(store, 0, rank, 2)
+    w.build_groups()
+    w.set_collective_timeouts()
+    w.bound_gloo_deadlines()
+    pp = ps.get_pipeline_model_parallel_group()
+    unknown = dist.new_group([0, 1], backend="gloo", timeout=timedelta(seconds=20))
+    if rank == 1:
+        a, b = torch.zeros(4), torch.zeros(4)
+        dist.recv(a, 0, group=pp)
+        for req in dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, 0, pp)]):
+            req.wait()
+        store.set("received", f"{a.sum().item()} {b.sum().item()}")
+        store.wait(["reported"], timedelta(seconds=120))
+        return
+    req = dist.isend(torch.ones(4), 1, group=pp)
+    kind = type(req).__name__
+    req.wait()
+    for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((4,), 2.0), 1, pp)]):
+        req.wait()
+    store.wait(["received"], timedelta(seconds=60))
+    received = store.get("received").decode()
+    threading.Timer(2.0, lambda: w.abort("test: the plan moved on", 0)).start()
+    try:
+        dist.isend(torch.ones(4), 1, group=unknown).wait()
+        out.put((kind, received, "completed"))
+    except RuntimeError as exc:
+        out.put((kind, received, str(exc)))
+    store.set("reported", "1")
+
+
+def test_a_p2p_wait_the_socket_shutdown_misses_ends_at_the_abort(tmp_path):
+    """A survivor blocked in a gloo send once sat out the whole op deadline (15 s) before
+    reaching the new plan. A p2p wait whose connection the abort does not break (here: a
+    group the abort's socket record does not hold, a peer that neither receives nor closes)
+    now ends at the abort (recovery/gloo_p2p.py) with a communication failure, not at the
+    deadline. Healthy sends, plain and batched, go through the same wrapper unchanged."""
+    import multiprocessing as mp
+
+    from megatron_deadpool.recovery import gloo_p2p
+    from megatron_deadpool.recovery.classify import is_comm_failure
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_stuck_send_worker, args=(r, str(tmp_path / "store"), out))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        kind, received, msg = out.get(timeout=150)
+    finally:
+        for p in procs:
+            p.join(150)
+            if p.is_alive():
+                p.kill()
+    assert kind == "AbortableP2P"
+    assert received == "4.0 8.0"  # both healthy sends arrived, in order
+    assert msg == gloo_p2p.ABANDONED, msg  # not "Timed out waiting 20000ms for send"
+    assert is_comm_failure(RuntimeError(msg))

@@ -25,7 +25,7 @@ LAYERS = [
                      "checkpoints", "iterators", "ddp", "training_globals", "tags",
                      "evaluation", "async_saves", "cadence"],
         "recovery": ["phases", "classify", "abort", "quiet", "reaper", "rebind", "restore",
-                     "shared_groups", "stall", "world", "fault_points", "formation", "alarms",
+                     "shared_groups", "stall", "world", "gloo_p2p", "fault_points", "formation", "alarms",
                      "fallback", "boundary"]}),
     ("control", {"control": ["protected", "recovery", "runtime"]}),
     ("api", {"": ["api"]}),

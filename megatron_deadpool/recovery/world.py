@@ -26,6 +26,7 @@ from typing import Callable, Mapping, Optional
 from ..base.sections import LOPSIDED_SECTIONS
 from ..base.vocabulary import Event
 from . import abort as ab
+from . import gloo_p2p
 from .shared_groups import shared_gloo_groups
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,8 @@ class World:
         self._lock = threading.Lock()
         # what else an abort must wake: the mirror's own connections (protected.py)
         self.on_abort: Callable[[], None] = _nothing
+        if backend == "gloo":
+            gloo_p2p.install()  # a p2p wait the socket shutdown does not reach: the abort ends it
 
     def also_on_abort(self, wake: Callable[[], None]) -> None:
         """What else a generation's abort must wake (any thread): e.g. the mirror's own
@@ -179,6 +182,7 @@ class World:
             if live is None or (newer_than is not None and newer_than <= live):
                 return
             info = ab.abort_communicators(self.backend, self.store_port)
+            info["p2p_waits_abandoned"] = gloo_p2p.abandon_all()
             self.on_abort()
             self.aborted = True
             self._live_gen = None
