@@ -330,41 +330,25 @@ def test_a_process_killed_during_startup_is_still_a_node_failure():
     assert not d.finished and _c(store).get_plan(1).failed_ranks == (5,)
 
 
-def test_processes_an_injected_node_fault_signalled_are_awaited_past_the_grace_window():
-    """The fault driver reaches a node's processes one by one (the victim kills itself, its
-    node agent kills the others after): on a loaded machine the second exit came after the
-    0.3 s window had ended (the first plan, 0.49 s after the fault), and one node kill became
-    two recoveries. The window awaits the signalled processes: one failure, one plan."""
-    d, store = _decider_with_grace(0.3)
-    d.await_exits([2])  # launch/fault_driver.py: node 1's other process was signalled
-    _c(store).push_event("exit", lid=3, code=-9, node=1)
-    d.step()
-    d.clock_.advance(1.0)
-    d.step()
-    assert d.gen == 0  # past the grace window: process 2 is still on its way out
-    _c(store).push_event("exit", lid=2, code=-9, node=1)
-    d.step()
-    assert d.gen == 1 and sorted(d.plans[-1].failed_ranks) == [2, 3]
-    assert d.signalled == set()  # the plan took them
-
-
-def test_the_wait_for_signalled_processes_is_bounded_by_the_heartbeat_timeout():
+def test_one_window_for_every_failure():
+    """No injected case: the window closes at once when every process of each node with an
+    exit is dead, else after the grace window, whoever delivered the failure."""
     from megatron_deadpool.membership.procs import ProcState, window_over
 
     procs = {lid: Proc(lid=lid, node=lid // 2, role="active", rank=lid, state="alive")
              for lid in range(4)}
     procs[3].state = ProcState.DEAD
     cfg = DeciderConfig(heartbeat_timeout_s=6.0, heartbeat_interval_s=0.5, grace_s=0.3)
-    assert not window_over(procs, {3}, {3}, set(), 0.2, cfg)  # node 1: 2 lives, in grace
-    assert window_over(procs, {3}, {3}, set(), 0.31, cfg)  # one crash: the window ends
-    assert not window_over(procs, {3}, {3}, {2}, 5.9, cfg)  # signalled 2 still alive
-    assert window_over(procs, {3}, {3}, {2}, 6.0, cfg)  # at most the heartbeat timeout
+    assert not window_over(procs, {3}, {3}, 0.2, cfg)  # node 1: 2 lives, in grace
+    assert window_over(procs, {3}, {3}, 0.31, cfg)  # one crash: the window ends
     procs[2].state = ProcState.DEAD
-    assert window_over(procs, {2, 3}, {2, 3}, {2}, 0.0, cfg)  # the node is accounted for
-    assert window_over(procs, {0}, set(), {2}, 0.0, cfg)  # fenced: the scan saw them all
+    assert window_over(procs, {2, 3}, {2, 3}, 0.0, cfg)  # the node is accounted for
+    assert window_over(procs, {0}, set(), 0.0, cfg)  # fenced: the scan saw them all
 
 
-def test_the_fault_driver_tells_the_decider_whom_it_signalled():
+def test_an_injected_node_fault_signals_the_whole_node_in_one_pass():
+    """The victim does not signal itself: its agent signals every process of the node, the
+    victim included, in one command, as a real node loss takes them all at once."""
     from megatron_deadpool.base.faults import parse_fault
     from megatron_deadpool.launch.fault_driver import FaultDriver
 
@@ -373,5 +357,22 @@ def test_the_fault_driver_tells_the_decider_whom_it_signalled():
     drv = FaultDriver([parse_fault("kill:node=1@iter=6")], d, lambda n, c: sent.append((n, c)),
                       log=lambda m: None, claim=lambda i: True)
     drv.on_request({"index": 0, "t": 0.0, "lid": 3})
-    assert sent == [(1, {"op": "signal", "signal": "SIGKILL", "lids": [2]})]
-    assert d.signalled == {2}
+    assert sent == [(1, {"op": "signal", "signal": "SIGKILL", "lids": [2, 3]})]
+    assert not hasattr(d, "signalled") and not hasattr(d, "await_exits")
+
+
+def test_a_node_faults_victim_waits_for_its_agent_and_a_rank_fault_signals_itself(monkeypatch):
+    from megatron_deadpool.base import faults
+
+    monkeypatch.setattr(faults, "NODE_SIGNAL_WAIT_S", 0.05)
+    for spec, node, expect_wait in (("kill:node=1@iter=6", 1, True),
+                                    ("kill:rank=3@iter=6", 1, False)):
+        killed, slept = [], []
+        points = faults.FaultPoints([faults.parse_fault(spec)], rank=lambda: 3, node=node,
+                                    claim=lambda i: True, report=lambda *a: None,
+                                    kill=killed.append)
+        t0 = faults.time.monotonic()
+        points(6, "forward_backward")
+        slept.append(faults.time.monotonic() - t0)
+        assert killed == [faults._signal.SIGKILL]  # the fallback, after the wait
+        assert (slept[0] >= 0.05) == expect_wait

@@ -100,3 +100,42 @@ def test_rank_killed_during_mirror_exchange(tmp_path, reference):
     _check_ok(p, s, reference(FLAGS))
     (rec,) = s["recoveries"]
     assert rec["failed_ranks"] == [2] and rec["restored_iter"] == 4
+
+
+def test_a_node_killed_from_outside_is_one_recovery(tmp_path, reference):
+    """A real node loss, imitated with no fault driver and no fault point: once iteration 5
+    is reported, every process of node 1 is SIGKILLed from outside the job, one after the
+    other as a test can (issue 38: injected and real failures take the same detection
+    path, so both give one recovery)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+    from megatron_deadpool.apps.peer_inject import kill_all, node_pids
+    from megatron_deadpool.launch import progress
+
+    summary = tmp_path / "run.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    p = subprocess.Popen(
+        [sys.executable, "-m", "megatron_deadpool.apps.cli", "launch", "--nodes", "4",
+         "--procs-per-node", "2", "--spare-nodes", "1", "--summary-json", str(summary),
+         "--results-dir", str(tmp_path / "run"), "--", *FLAGS, "--deadpool"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, killed = [], []
+    deadline = time.monotonic() + 600
+    for line in p.stdout:
+        out.append(line)
+        rec = progress.parse(line)
+        if not killed and rec is not None and rec["iteration"] >= 5:
+            victims = node_pids([p.pid], "DEADPOOL_NODE", "1")
+            killed = kill_all(victims)
+        assert time.monotonic() < deadline, "".join(out[-50:])
+    p.wait(timeout=60)
+    assert len(killed) == 2, (killed, "".join(out[-50:]))  # node 1's two workers
+    s = json.loads(summary.read_text())
+    proc = subprocess.CompletedProcess(p.args, p.returncode, "".join(out), "")
+    _check_ok(proc, s, reference(FLAGS))
+    (rec,) = s["recoveries"]  # one node, one recovery
+    assert rec["failed_ranks"] == [2, 3], rec

@@ -27,10 +27,13 @@ every worker (``base/worker_env.py``), so every rank agrees on it. ``Fault.index
 the schedule) is the fault's unique id.
 
 Delivery (:class:`FaultPoints`, in the worker): the first process to reach a fault's point
-claims it, reports it, and signals itself at once (no parking: the signal lands wherever the
-process is). A node fault's other processes are signalled by their node agent right after.
-In the optimizer step the signal is delayed by a seeded fraction of a millisecond, so it lands
-inside the real step (a torn step). ``@t=S`` faults come from outside (``launch/``).
+claims it and reports it. A rank fault's victim then signals itself at once (no parking: the
+signal lands wherever the process is); in the optimizer step the signal is delayed by a
+seeded fraction of a millisecond, so it lands inside the real step (a torn step). A node
+fault's victim waits where it is while its node agent signals every process of the node,
+the victim included, in one pass: a node is lost at once, as a real one is, and the
+decider's detection has no injected case (``membership/procs.py: window_over``). ``@t=S``
+faults come from outside (``launch/``), through the same agent pass.
 """
 
 from __future__ import annotations
@@ -40,11 +43,16 @@ import os
 import random
 import signal as _signal
 import threading
+import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .errors import ConfigError
 from .vocabulary import FAULT_PHASES, Phase
+
+# A node fault's victim waits this long for its agent's signal before it signals itself
+# (the launcher gone, say); the agent's pass normally comes within a store round trip.
+NODE_SIGNAL_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -290,7 +298,9 @@ class FaultPoints:
                 if not self.claim(f.index):
                     continue
                 self.report(f, iteration, phase)
-            if kind.signal is not None:
+            if kind.signal is not None and f.node is not None:
+                self._await_node_signal(f, getattr(_signal, kind.signal))
+            elif kind.signal is not None:
                 self._signal(f, getattr(_signal, kind.signal), phase)
             elif f.kind in self.actions:
                 effect = self.actions[f.kind](f, iteration)
@@ -305,6 +315,13 @@ class FaultPoints:
             threading.Timer(delay, self.kill, args=(sig,)).start()
         else:
             self.kill(sig)
+
+    def _await_node_signal(self, f: Fault, sig: int) -> None:
+        """The agent signals the whole node, this process included, in one pass."""
+        deadline = time.monotonic() + NODE_SIGNAL_WAIT_S
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.kill(sig)  # no agent pass came: the fault still lands
 
     def _raise_local(self, f: Fault, iteration: int) -> None:
         raise InjectedLocalError(

@@ -1,10 +1,13 @@
 """Delivers the test fault schedule from the launcher's side (``base/faults.py`` is the schedule):
 
 * a staged fault (``@iter=N``) is fired by the first victim process that reaches its point;
-  the victim reports it (event ``fault_request``) and signals itself. For a node fault the
-  driver signals the node's other processes through their agent, right after.
+  the victim reports it (event ``fault_request``). A rank fault's victim signals itself. A
+  node fault's victim waits: the driver has the node's agent signal every process of the
+  node in one pass, as a real node loss takes them all at once, so the decider sees an
+  injected node loss exactly as it sees a real one (no window of its own).
 * an unstaged fault (``@t=S``) is delivered from outside, S seconds after the first rank
-  reported a completed iteration, wherever the victims are (no fault point, no cooperation).
+  reported a completed iteration, wherever the victims are (no fault point, no cooperation),
+  through the same agent pass.
 
 Every delivered fault is recorded for the summary.
 """
@@ -31,8 +34,7 @@ class FaultDriver:
     def on_request(self, ev: dict) -> None:
         """A victim fired staged fault ``ev['index']`` on itself."""
         f = self.faults[ev["index"]]
-        self._deliver(f, ev["t"], at_iter=f.iteration, phase=f.phase,
-                      skip_lid=ev.get("lid"))
+        self._deliver(f, ev["t"], at_iter=f.iteration, phase=f.phase)
 
     def poll(self, now: float) -> None:
         """Fire the unstaged faults that are due."""
@@ -48,18 +50,15 @@ class FaultDriver:
                 self.decider.note_fault(now)
                 self._deliver(f, now, at_iter=self.decider.max_iteration(), phase="unstaged")
 
-    def _deliver(self, f: Fault, t: float, at_iter: int, phase: str,
-                 skip_lid: Optional[int] = None) -> None:
+    def _deliver(self, f: Fault, t: float, at_iter: int, phase: str) -> None:
         procs = self.decider.procs.values()
         victims = [p for p in procs if p.state not in (ProcState.DEAD, ProcState.DONE)
                    and (p.node == f.node if f.node is not None else p.rank == f.rank)]
         if (f.node is not None or f.at_s is not None) and f.kind in SIGNALS:
-            for node in sorted({p.node for p in victims}):
-                lids = [p.lid for p in victims if p.node == node and p.lid != skip_lid]
-                if lids:
-                    self.decider.await_exits(lids)  # one failure, one plan
-                    self.send_command(node, {"op": CommandOp.SIGNAL, "signal": SIGNALS[f.kind],
-                                             "lids": lids})
+            for node in sorted({p.node for p in victims}):  # each node's processes at once
+                lids = [p.lid for p in victims if p.node == node]
+                self.send_command(node, {"op": CommandOp.SIGNAL, "signal": SIGNALS[f.kind],
+                                         "lids": lids})
         rec = {"kind": f.kind, "node": f.node, "rank": f.rank,
                "ranks": sorted(p.rank for p in victims if p.rank is not None),
                "at_iter": at_iter, "phase": phase, "t": t}

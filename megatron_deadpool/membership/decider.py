@@ -46,7 +46,6 @@ class Decider:
         self.cursor = 0
         self.pending_dead: Set[int] = set()
         self.pending_exits: Set[int] = set()  # those seen as process exits
-        self.signalled: Set[int] = set()  # sent an injected fault's signal (await_exits)
         self.first_dead_t: Optional[float] = None
         self.plans: List[plans.Plan] = []
         self.finished = False
@@ -89,10 +88,6 @@ class Decider:
         """A scheduled fault was delivered at ``t``: detection latency is measured from it."""
         self._fault_time = self._fault_time or t
 
-    def await_exits(self, lids) -> None:
-        """The fault driver signalled ``lids``: procs.window_over awaits their exits."""
-        self.signalled.update(lids)
-
     def max_iteration(self) -> int:
         return max((p.hb_iteration for p in self.procs.values() if p.rank is not None),
                    default=0)
@@ -111,8 +106,7 @@ class Decider:
             self._last_hb_poll = now
             self._poll_heartbeats(now)
         if self.pending_dead and window_over(self.procs, self.pending_dead, self.pending_exits,
-                                             self.signalled, now - self.first_dead_t,
-                                             self.config):
+                                             now - self.first_dead_t, self.config):
             self._replan()
         elif not self.pending_dead and self.coord.generation_done(self.plans[-1]) and \
                 (req := self.drains.take()) is not None:  # a planned swap (drain.py)
@@ -264,7 +258,6 @@ class Decider:
                  f"(detected in {plan.detect_s:.3f}s)")
         self.pending_dead.clear()
         self.pending_exits.clear()
-        self.signalled.clear()
         self.first_dead_t = None
         self._waiting_logged, self._fault_time = False, None
 

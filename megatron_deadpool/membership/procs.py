@@ -109,21 +109,19 @@ def hung(p: Proc, now: float, cfg, gen: int, plan_t: float) -> Optional[Tuple[st
     return None
 
 
-def window_over(procs: Dict[int, Proc], dead: Set[int], exited: Set[int],
-                signalled: Set[int], waited_s: float, cfg) -> bool:
+def window_over(procs: Dict[int, Proc], dead: Set[int], exited: Set[int], waited_s: float,
+                cfg) -> bool:
     """Whether the window after the first death (``dead``: declared since the last plan,
     ``exited``: those seen as exits) is over, so that one plan covers the whole failure.
     At once when every process of each node with an exit is dead (fenced and lost nodes
-    need none: the heartbeat scan saw them all together); else after ``cfg.grace_s``, or
-    up to the heartbeat timeout while a process that an injected node fault signalled
-    (``signalled``) is still alive: the fault driver reaches a node's processes one by one,
-    a real node loss takes them at once. Pure."""
+    need none: the heartbeat scan saw them all together); else after ``cfg.grace_s``. One
+    policy for every failure: an injected node loss reaches all of a node's processes in
+    one pass of its agent, as a real one does (launch/fault_driver.py). Pure."""
     live = (ProcState.ALIVE, ProcState.STARTING)
     nodes = {procs[lid].node for lid in dead & exited}
     if not any(p.node in nodes and p.state in live for p in procs.values()):
         return True
-    coming = any(procs[lid].state in live for lid in signalled if lid in procs)
-    return waited_s >= (cfg.heartbeat_timeout_s if coming else cfg.grace_s)
+    return waited_s >= cfg.grace_s
 
 
 class AgentClock:
