@@ -26,14 +26,11 @@ The launcher parses the ``--inject`` specs once, validates them and passes the s
 every worker (``base/worker_env.py``), so every rank agrees on it. ``Fault.index`` (the position in
 the schedule) is the fault's unique id.
 
-Delivery (:class:`FaultPoints`, in the worker): the first process to reach a fault's point
-claims it and reports it. A rank fault's victim then signals itself at once (no parking: the
-signal lands wherever the process is); in the optimizer step the signal is delayed by a
-seeded fraction of a millisecond, so it lands inside the real step (a torn step). A node
-fault's victim waits where it is while its node agent signals every process of the node,
-the victim included, in one pass: a node is lost at once, as a real one is, and the
-decider's detection has no injected case (``membership/procs.py: window_over``). ``@t=S``
-faults come from outside (``launch/``), through the same agent pass.
+Delivery (:class:`FaultPoints`, in the worker): the first process at a fault's point claims
+and reports it. A rank fault's victim signals itself at once (in the optimizer step after a
+seeded sub-millisecond delay: a torn step). A node fault's victim waits while its agent
+signals the whole node in one pass, as a real node loss takes it (``launch/``, which also
+delivers ``@t=S`` faults); detection has no injected case (``procs.py: window_over``).
 """
 
 from __future__ import annotations
@@ -50,9 +47,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from .errors import ConfigError
 from .vocabulary import FAULT_PHASES, Phase
 
-# A node fault's victim waits this long for its agent's signal before it signals itself
-# (the launcher gone, say); the agent's pass normally comes within a store round trip.
-NODE_SIGNAL_WAIT_S = 10.0
+NODE_SIGNAL_WAIT_S = 10.0  # a node fault's victim, then it signals itself (no agent pass)
 
 
 @dataclass(frozen=True)
