@@ -22,9 +22,8 @@
     | restore_state | ...       (rendezvous/restore_state at iter=N: a failure during a
                                  recovery, to test cascades)
 
-The launcher parses the ``--inject`` specs once, validates them and passes the schedule to
-every worker (``base/worker_env.py``), so every rank agrees on it. ``Fault.index`` (the position in
-the schedule) is the fault's unique id.
+The launcher parses and validates the ``--inject`` specs once and passes the schedule to every
+worker (``base/worker_env.py``). ``Fault.index`` (its position) is the fault's unique id.
 
 Delivery (:class:`FaultPoints`, in the worker): the first process at a fault's point claims
 and reports it. A rank fault's victim signals itself at once (in the optimizer step after a
@@ -313,9 +312,7 @@ class FaultPoints:
 
     def _await_node_signal(self, f: Fault, sig: int) -> None:
         """The agent signals the whole node, this process included, in one pass."""
-        deadline = time.monotonic() + NODE_SIGNAL_WAIT_S
-        while time.monotonic() < deadline:
-            time.sleep(0.01)
+        time.sleep(NODE_SIGNAL_WAIT_S)
         self.kill(sig)  # no agent pass came: the fault still lands
 
     def _raise_local(self, f: Fault, iteration: int) -> None:
