@@ -30,6 +30,7 @@ import threading
 from typing import Optional, Set
 
 ABANDONED = "gloo p2p wait abandoned at the abort: communicator was aborted"
+WAITER = "deadpool-gloo-p2p-wait"
 
 
 class _Box:
@@ -45,7 +46,7 @@ class _Waiter:
 
     def __init__(self):
         self.q: "queue.SimpleQueue[Optional[_Box]]" = queue.SimpleQueue()
-        threading.Thread(target=self._run, daemon=True, name="deadpool-gloo-p2p-wait").start()
+        threading.Thread(target=self._run, daemon=True, name=WAITER).start()
 
     def _run(self) -> None:
         while True:
@@ -68,10 +69,14 @@ class AbortableP2P:
     """A gloo send's or receive's work whose ``wait`` the abort can end."""
 
     def __init__(self, work):
+        while isinstance(work, AbortableP2P):  # wrapped twice: wait on the real one
+            work = work._work
         self._work, self._box = work, None
 
     def wait(self, timeout=None) -> bool:
         global _waiter
+        if threading.current_thread().name == WAITER:  # never queue behind oneself
+            return self._work.wait()
         if self._box is None:
             box = self._box = _Box(self._work)
             with _lock:
@@ -131,7 +136,7 @@ def install() -> None:
 def _abortable(orig):
     def p2p(tensor, *args, **kwargs):
         work = orig(tensor, *args, **kwargs)
-        if work is None or tensor.device.type != "cpu":
+        if work is None or tensor.device.type != "cpu" or isinstance(work, AbortableP2P):
             return work
         return AbortableP2P(work)
 
