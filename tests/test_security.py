@@ -137,7 +137,9 @@ def test_secret_file_must_be_private(tmp_path):
     json.dumps({"body": {"kind": "exit", "lid": 1}, "mac": "\u00e9" * 64}),  # non-ASCII MAC
     json.dumps({"body": ["exit", 1], "mac": "0" * 64}),                      # not an object
     b"\xff\xfe not utf-8",
-    json.dumps({"body": {"kind": "exit"}, "mac": None})])
+    json.dumps({"body": {"kind": "exit"}, "mac": None}),
+    "[" * 100000 + "]" * 100000,                                              # RecursionError
+    '{"body": ' + "[" * 100000 + "]" * 100000 + ', "mac": "0"}'])
 def test_a_forged_byte_is_an_auth_error_never_a_crash(raw):
     """hmac.compare_digest raised TypeError on a non-ASCII MAC, which the store's readers
     (they catch AuthError) let through to the launcher's unguarded decider step."""
@@ -145,10 +147,12 @@ def test_a_forged_byte_is_an_auth_error_never_a_crash(raw):
         auth.open_(SECRET, raw.encode() if isinstance(raw, str) else raw)
 
 
-def test_the_decider_steps_past_a_forged_non_ascii_event():
+@pytest.mark.parametrize("forged", [
+    json.dumps({"body": {"kind": "exit", "lid": 1, "code": -9}, "mac": "\u00e9" * 64}),
+    '{"body": ' + "[" * 100000 + "]" * 100000 + ', "mac": "0"}'], ids=["non-ascii", "deep"])
+def test_the_decider_steps_past_a_forged_event(forged):
     d, store, member, _ = _job()
     i = store.add(st.k("events", "n"), 1)
-    store.set(st.k("events", i), json.dumps({"body": {"kind": "exit", "lid": 1, "code": -9},
-                                             "mac": "\u00e9" * 64}))
-    d.step()  # raised TypeError before
+    store.set(st.k("events", i), forged)
+    d.step()  # raised TypeError (non-ASCII MAC) and RecursionError (deep nesting) before
     assert d.procs[1].state == "alive" and d.gen == 0 and len(d.rejected) == 1

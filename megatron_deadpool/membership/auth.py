@@ -63,8 +63,8 @@ def open_(secret: str, raw: Optional[bytes], **expect) -> dict:
     try:
         msg = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
         body, mac = msg["body"], msg["mac"]
-    except (ValueError, TypeError, KeyError, AttributeError):
-        raise AuthError("not a signed message") from None
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        raise AuthError("not a signed message") from None  # any bytes: an AuthError
     # compare_digest raises TypeError on a non-ASCII str: a forged byte must be an
     # AuthError like any other bad signature, never a crash of the reader
     if not isinstance(mac, str) or not isinstance(body, dict) or not mac.isascii() \
