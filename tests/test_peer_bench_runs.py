@@ -50,3 +50,32 @@ def test_deadpool_against_a_whole_job_relaunch(tmp_path_factory, tmp_path):
         "runs": 1, "kill_iter": KILL, "train_iters": ITERS, "kill_rank": 2,
         "save_interval": INTERVAL, "mtbf_s": None}})
     assert "| deadpool |" in table and "| relaunch |" in table
+
+
+def test_a_resume_from_save_and_load_keeps_adams_step(tmp_path_factory, tmp_path):
+    """The checkpoint systems' restart path on CPU: ``--load`` dropped torch Adam's step
+    (the dp_reshardable load copied the template's 0 over the checkpoint's 3), so a resumed
+    run's bias correction started again. Now a run resumed at 3 and saved at 6 holds step 6,
+    as the uninterrupted run's checkpoint 6 does; with dropout off, the whole state equals."""
+    from conftest import launch
+
+    tree = patched_tree(tmp_path_factory, TAG)
+    flags = bench_peers.MODEL_FLAGS + ["--hidden-dropout", "0", "--attention-dropout", "0",
+                                       "--log-interval", "1", "--save-interval", "3"]
+    extra = ["--device", "cpu", "--script", str(tree / "pretrain_gpt.py")]
+
+    def run(name, iters, more=()):
+        ck = tmp_path / f"ck_{name}"
+        p, s = launch(tmp_path, flags + ["--train-iters", str(iters), "--save", str(ck),
+                                         *more], name=name, python=python_for(TAG),
+                      extra_launch=extra)
+        assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+        return ck
+
+    whole = run("whole", 6)
+    first = run("first", 3)
+    resumed = run("resumed", 6, ["--load", str(first)])
+    steps = [s for _, _, s in bench_peers.optimizer_steps(str(resumed / "iter_0000006"))]
+    assert steps and set(steps) == {6.0}, steps
+    assert [s for _, _, s in bench_peers.optimizer_steps(str(whole / "iter_0000006"))] == steps
+    assert bench_peers.fingerprint(str(resumed), 6) == bench_peers.fingerprint(str(whole), 6)

@@ -90,7 +90,7 @@ def _worker(rank, kind, port, errq):
         errq.put(traceback.format_exc())
 
 
-CONFORMANCE = ["gloo", "store", "socket"]
+CONFORMANCE = ["gloo", "socket"]
 
 
 def test_every_registered_transport_is_in_the_conformance_test():

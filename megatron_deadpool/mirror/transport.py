@@ -139,66 +139,6 @@ class GlooTransport(MirrorTransport):
         return [json.loads(bytes(t[:k].tolist())) for t, k in zip(out, sizes)]
 
 
-class StoreTransport(MirrorTransport):
-    """Moves bytes through a c10d Store (TCPStore/FileStore). Slower; needs no process group,
-    so it also works between processes that share only the coordinator. ``tag`` namespaces
-    one use; every call advances a round counter that all members advance in lockstep."""
-
-    kind = "store"
-
-    def __init__(self, store, rank: int, world_size: int, tag: str = "mirror",
-                 timeout_s: float = 600.0):
-        self.store, self.rank, self.world_size = store, rank, world_size
-        self.tag, self.timeout_s = tag, timeout_s
-        self._round = 0
-
-    def _key(self, *parts) -> str:
-        return "/".join([self.tag, str(self._round), *map(str, parts)])
-
-    def _get(self, key: str, timeout_s: Optional[float]) -> bytes:
-        limit = self.timeout_s if timeout_s is None else timeout_s
-        try:
-            self.store.wait([key], timedelta(seconds=limit))
-        except Exception as exc:  # noqa: BLE001 - the store's timeout error type varies
-            raise TransportTimeout(f"mirror store transport: {key} not written in "
-                                   f"{limit:g}s") from exc
-        return self.store.get(key)
-
-    def exchange(self, sends, recvs, timeout_s=None) -> None:
-        for dst, buf in sends:
-            self.store.set(self._key("p2p", self.rank, dst), buf.numpy().tobytes())
-        for src, buf in recvs:
-            data = self._get(self._key("p2p", src, self.rank), timeout_s)
-            if len(data) > buf.numel():
-                raise RuntimeError(f"store transport: {len(data)} bytes from rank {src} do "
-                                   f"not fit the {buf.numel()}-byte receive buffer")
-            if data:
-                buf[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        self._gather("barrier-x", "1", timeout_s)
-        self._round += 1
-
-    def _gather(self, name: str, value: str, timeout_s: Optional[float]) -> List[str]:
-        self.store.set(self._key(name, self.rank), value)
-        return [self._get(self._key(name, r), timeout_s).decode()
-                for r in range(self.world_size)]
-
-    def all_ok(self, ok: bool, timeout_s=None) -> bool:
-        vals = self._gather("ok", "1" if ok else "0", timeout_s)
-        self._round += 1
-        return all(v == "1" for v in vals)
-
-    def all_gather_int(self, value: int, timeout_s=None) -> List[int]:
-        vals = self._gather("gather", str(int(value)), timeout_s)
-        self._round += 1
-        return [int(v) for v in vals]
-
-    def all_gather_json(self, obj, timeout_s=None) -> List:
-        vals = self._gather("json", json.dumps(obj), timeout_s)
-        self._round += 1
-        return [json.loads(v) for v in vals]
-
-
-# ---------------------------------------------------------------- the registry
 @dataclass(frozen=True)
 class TransportContext:
     """What one generation offers a transport."""
@@ -250,9 +190,3 @@ def _gloo(ctx: TransportContext) -> MirrorTransport:
     if ctx.gloo is None:
         raise ConfigError("the gloo mirror transport needs the mirror's gloo group")
     return ctx.gloo
-
-
-@register_transport("store")
-def _store(ctx: TransportContext) -> MirrorTransport:
-    return StoreTransport(ctx.store, ctx.rank, ctx.world_size, tag=f"mirror/{ctx.gen}",
-                          timeout_s=ctx.timeout_s)
