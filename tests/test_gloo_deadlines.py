@@ -258,3 +258,27 @@ def test_a_p2p_wait_the_socket_shutdown_misses_ends_at_the_abort(tmp_path):
     assert received == "4.0 8.0"  # both healthy sends arrived, in order
     assert msg == gloo_p2p.ABANDONED, msg  # not "Timed out waiting 20000ms for send"
     assert is_comm_failure(RuntimeError(msg))
+
+
+def test_a_p2p_work_issued_before_an_abort_is_never_waited_on_after_it():
+    """A work issued in the old generation and first waited on after the abort would sit
+    in gloo again: it raises at once. One already done keeps its result."""
+    from megatron_deadpool.recovery import gloo_p2p
+
+    class Work:
+        def __init__(self):
+            self.waited = 0
+
+        def wait(self):
+            self.waited += 1
+            return True
+
+    done, late = gloo_p2p.AbortableP2P(Work()), gloo_p2p.AbortableP2P(Work())
+    assert done.wait() and done.is_completed()
+    assert gloo_p2p.abandon_all() == 0  # nothing was pending
+    with pytest.raises(RuntimeError, match="communicator was aborted"):
+        late.wait()
+    assert late._work.waited == 0  # never handed to gloo
+    assert done.wait()  # done before the abort: still done
+    fresh = gloo_p2p.AbortableP2P(Work())
+    assert fresh.wait() and fresh._work.waited == 1

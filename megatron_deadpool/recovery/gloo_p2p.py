@@ -63,6 +63,7 @@ class _Waiter:
 _lock = threading.Lock()
 _waiter: Optional[_Waiter] = None
 _pending: Set[_Box] = set()
+_epoch = 0  # aborts so far: a work made before the last one is never waited on in gloo
 
 
 class AbortableP2P:
@@ -71,15 +72,17 @@ class AbortableP2P:
     def __init__(self, work):
         while isinstance(work, AbortableP2P):  # wrapped twice: wait on the real one
             work = work._work
-        self._work, self._box = work, None
+        self._work, self._box, self._epoch = work, None, _epoch
 
     def wait(self, timeout=None) -> bool:
         global _waiter
         if threading.current_thread().name == WAITER:  # never queue behind oneself
             return self._work.wait()
         if self._box is None:
-            box = self._box = _Box(self._work)
             with _lock:
+                if self._epoch != _epoch:  # issued before an abort, first waited after it
+                    raise RuntimeError(ABANDONED)
+                box = self._box = _Box(self._work)
                 if _waiter is None:
                     _waiter = _Waiter()
                 _pending.add(box)
@@ -104,8 +107,9 @@ class AbortableP2P:
 def abandon_all() -> int:
     """(any thread; the abort) End every p2p wait in progress with a communication
     failure and retire the waiter, which may be stuck in gloo. Returns how many."""
-    global _waiter
+    global _waiter, _epoch
     with _lock:
+        _epoch += 1
         boxes = list(_pending)
         _pending.clear()
         for box in boxes:
