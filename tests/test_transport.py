@@ -344,3 +344,72 @@ def _read_all(s: socket.socket) -> bytes:
             out += chunk
     except OSError:
         return out
+
+
+def test_a_handshake_of_one_purpose_fails_in_the_other():
+    """A drain's handoff reuses ranks 0/1 under the same secret and generation as the
+    mirror: its handshake binds the purpose, so a handoff sender cannot reach a mirror
+    listener (nor the reverse), and nothing it sends lands in a slot."""
+    import threading
+
+    from megatron_deadpool.mirror.frames import PeerLost
+
+    for listener_purpose, sender_purpose in (("mirror", "handoff"), ("handoff", "mirror")):
+        store = torch.distributed.HashStore()
+        t0 = SocketTransport(store, 0, 2, None, "127.0.0.1", SECRET, 3, timeout_s=5,
+                             purpose=listener_purpose)
+        t1 = SocketTransport(store, 1, 2, None, "127.0.0.1", SECRET, 3, timeout_s=5,
+                             purpose=sender_purpose)
+        buf = torch.zeros(8, dtype=torch.uint8)
+        got = {}
+
+        def recv():
+            try:
+                t0.exchange([], [(1, buf)], timeout_s=3)
+            except Exception as exc:  # noqa: BLE001 - checked below
+                got["exc"] = exc
+
+        th = threading.Thread(target=recv)
+        th.start()
+        with pytest.raises(PeerLost, match="did not prove the job secret"):
+            t1.exchange([(0, torch.ones(8, dtype=torch.uint8))], [])
+        th.join(10)
+        assert "exc" in got and torch.all(buf == 0)
+        for t in (t0, t1):
+            t.release()
+
+
+def test_every_message_carries_a_tag_under_its_connections_key():
+    """frames.py: a message whose payload, sequence number or key is not the one the
+    receiver expects fails its tag before anyone reads the slot; the right one passes."""
+    import socket as so
+
+    from megatron_deadpool.mirror import frames
+
+    key, other = b"k" * 32, b"o" * 32
+
+    def deliver(send_key, send_seq, recv_seq, flip=False):
+        a, b = so.socketpair()
+        a.setblocking(False)
+        b.setblocking(False)
+        payload = torch.arange(64, dtype=torch.uint8)
+        s = frames.Send(a, payload, send_key, send_seq)
+        if flip:  # a byte altered on the way: rewrite the payload part before it is sent
+            raw = bytearray(s.parts[1])
+            raw[5] ^= 1
+            s.parts[1] = memoryview(bytes(raw))
+        assert s.step()
+        into = torch.zeros(64, dtype=torch.uint8)
+        r = frames.Recv(b, into, 1, key, recv_seq)
+        try:
+            assert r.step()
+            return bool(torch.equal(into, payload))
+        finally:
+            a.close()
+            b.close()
+
+    assert deliver(key, 0, 0)
+    assert deliver(key, 7, 7)
+    for case in ((other, 0, 0, False), (key, 0, 1, False), (key, 0, 0, True)):
+        with pytest.raises(frames.PeerLost, match="failed its tag"):
+            deliver(*case)

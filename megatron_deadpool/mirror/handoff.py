@@ -59,7 +59,7 @@ class Sender:
         self._store, self._timeout_s, self._aborted = _store(default_store, gen, rank), \
             timeout_s, False
         self._t = SocketTransport(self._store, DRAINING, 2, None, host, secret, gen,
-                                  timeout_s=timeout_s)
+                                  timeout_s=timeout_s, purpose="handoff")
         self._thread = threading.Thread(target=self._run, name="deadpool-handoff",
                                         daemon=True)
         self._thread.start()
@@ -106,7 +106,7 @@ def receive(mirror, default_store, host: str, secret: str, gen: int, rank: int,
     layout = mirror.ensure_layout()
     buf = snapshot.alloc_slot(layout.total_bytes, mirror.pin)
     t = SocketTransport(_store(default_store, gen, rank), SPARE, 2, None, host, secret, gen,
-                        timeout_s=timeout_s)
+                        timeout_s=timeout_s, purpose="handoff")
     try:
         t.exchange([], [(DRAINING, buf)])
         iteration = snapshot.read_header(buf)["iteration"]

@@ -11,12 +11,14 @@ bytes straight from and into the slots (``docs/benchmarks.md`` has the CPU befor
     connect, HELLO (magic, s, nonce_s)        ─►  accept thread: a handshake per connection
                                               ◄─  CHALLENGE (magic, nonce_l, proof_l)
     checks proof_l; RESPONSE (proof_s)        ─►  checks proof_s: the connection is s's
-    [u64 length][the sealed slot]             ─►  recv_into(l's receive slot for s), checked
+    [u64 length][the sealed slot][tag]        ─►  recv_into(l's receive slot for s), checked
 
-Both ends prove that they hold the job secret, bound to this generation, both ranks and
-fresh nonces (``handshake.py`` has the exact binding); a sender connects only to an address
-sealed with the secret for this generation and rank (``membership/auth.py``). A connection
-that fails is closed with one warning line and counted (``refused``).
+Both ends prove that they hold the job secret, bound to the purpose (``mirror``, or a
+drain's ``handoff``), this generation, both ranks and fresh nonces (``handshake.py`` has the
+exact binding); a sender connects only to an address sealed with the secret for this
+generation and rank (``membership/auth.py``). Every message then carries a tag under the
+connection's own key (``frames.py``). A connection that fails is closed with one warning
+line and counted (``refused``).
 
 ``timeout_s`` bounds the time in which no byte moves (a multi-GB slot may take longer in
 all). One connection per (sender, receiver) pair, made on first use, lives for the generation
@@ -32,7 +34,6 @@ import logging
 import os
 import selectors
 import socket
-import struct
 import threading
 import time
 from datetime import timedelta
@@ -40,19 +41,15 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..base.errors import DeadpoolError, MirrorError, TransportTimeout
+from ..base.errors import DeadpoolError, TransportTimeout
 from ..membership import auth
 from . import handshake
+from .frames import LENGTH, PeerLost, Recv, Send  # noqa: F401 - LENGTH: impostor.py's
 from .transport import MirrorTransport, TransportContext, register_transport
 
 log = logging.getLogger(__name__)
 
-LENGTH = struct.Struct("<Q")
 KEY = "deadpool-mirror-socket/"
-
-
-class PeerLost(MirrorError):
-    """A mirror connection closed or failed mid-exchange (a peer process is gone)."""
 
 
 def _route_source(toward: str) -> Optional[str]:
@@ -100,18 +97,21 @@ class SocketTransport(MirrorTransport):
     kind = "socket"
 
     def __init__(self, store, rank: int, world_size: int, collectives: MirrorTransport,
-                 host: str, secret: str, gen: int, timeout_s: float = 600.0):
+                 host: str, secret: str, gen: int, timeout_s: float = 600.0,
+                 purpose: str = "mirror"):
         """``store``: this generation's (every member publishes its listener there, sealed);
         ``collectives``: the transport ``all_ok`` / ``all_gather_*`` go to; ``secret``: the
-        job's (``auth.load_secret``), ``gen``: this generation, both bound into every
-        handshake."""
+        job's (``auth.load_secret``), ``gen``: this generation, ``purpose``: ``mirror`` or
+        ``handoff``, all bound into every handshake."""
         self.store, self.rank, self.world_size = store, rank, world_size
         self.collectives, self.timeout_s = collectives, timeout_s
-        self.secret, self.gen = secret, gen
+        self.secret, self.gen, self.purpose = secret, gen, purpose
         self._listener = socket.create_server((host, 0), backlog=max(16, world_size))
         self._listener.setblocking(False)
         self._out: Dict[int, socket.socket] = {}
         self._in: Dict[int, socket.socket] = {}
+        self._keys: Dict[socket.socket, bytes] = {}  # each connection's frame key
+        self._seq: Dict[socket.socket, int] = {}  # messages on it so far (one direction)
         self._replaced: List[socket.socket] = []  # a peer's older connections, closed at release
         self._arrived = threading.Condition()  # the accept thread hands connections over
         self._sel = selectors.DefaultSelector()
@@ -119,7 +119,7 @@ class SocketTransport(MirrorTransport):
         self.refused = 0  # connections closed in the handshake (warned about one by one)
         self._gate = handshake.Gate(self._listener, secret, gen, rank, world_size,
                                     min(handshake.HANDSHAKE_S, timeout_s), self._admit,
-                                    self._refuse)
+                                    self._refuse, purpose)
         self.store.set(f"{KEY}{rank}", auth.seal(secret, {
             "gen": gen, "rank": rank, "addr": f"{host}:{self._listener.getsockname()[1]}"}))
 
@@ -155,10 +155,12 @@ class SocketTransport(MirrorTransport):
             s = socket.create_connection((host, int(port)),
                                          timeout=self._remaining(deadline, "connect"))
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            handshake.prove(s, self.secret, self.gen, self.rank, dst)
+            key = handshake.prove(s, self.secret, self.gen, self.rank, dst, self.purpose)
         except OSError as exc:
             raise PeerLost(f"mirror connect to rank {dst} at {addr}: {exc}") from exc
         s.setblocking(False)
+        with self._arrived:
+            self._keys[s], self._seq[s] = key, 0
         self._out[dst] = s
         return s
 
@@ -170,10 +172,11 @@ class SocketTransport(MirrorTransport):
                 self._arrived.wait(self._remaining(deadline, "accept"))
             return self._in[src]
 
-    def _admit(self, peer: int, s: socket.socket) -> None:
+    def _admit(self, peer: int, s: socket.socket, key: bytes) -> None:
         """(accept thread) ``s`` proved to be ``peer``'s: the newest connection serves."""
         s.setblocking(False)
         with self._arrived:
+            self._keys[s], self._seq[s] = key, 0
             old = self._in.pop(peer, None)
             if old is not None:
                 self._replaced.append(old)  # the mirror thread may still be reading it
@@ -199,8 +202,9 @@ class SocketTransport(MirrorTransport):
         self._check_open()
         self._limit = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + self._limit
-        out = [_Send(self._out_conn(dst, deadline), buf) for dst, buf in sends]
-        into = [_Recv(self._in_conn(src, deadline), buf, src) for src, buf in recvs]
+        out = [self._framed(Send, self._out_conn(dst, deadline), buf) for dst, buf in sends]
+        into = [self._framed(Recv, self._in_conn(src, deadline), buf, src)
+                for src, buf in recvs]
         pending = [op for op in (*out, *into) if not op.step()]  # most finish right here
         if not pending:
             return
@@ -220,6 +224,13 @@ class SocketTransport(MirrorTransport):
         finally:
             for op in pending:
                 self._sel.unregister(op.sock)
+
+    def _framed(self, op, sock: socket.socket, buf: torch.Tensor, *src: int):
+        """The next message on ``sock``, under its key and sequence number."""
+        with self._arrived:
+            key, seq = self._keys[sock], self._seq[sock]
+            self._seq[sock] = seq + 1
+        return op(sock, buf, *src, key, seq)
 
     # ------------------------------------------------------------------ collectives
     def all_ok(self, ok: bool, timeout_s=None) -> bool:
@@ -257,64 +268,7 @@ class SocketTransport(MirrorTransport):
         self._out.clear()
         self._in.clear()
         self._replaced.clear()
+        self._keys.clear()
+        self._seq.clear()
         self._sel.close()
         return self.collectives.release() if self.collectives is not None else None
-
-
-class _Send:
-    event = selectors.EVENT_WRITE
-
-    def __init__(self, sock: socket.socket, buf: torch.Tensor):
-        self.sock = sock
-        payload = memoryview(buf.numpy()).cast("B")
-        self.parts = [memoryview(LENGTH.pack(len(payload)))] + ([payload] if len(payload) else [])
-
-    def step(self) -> bool:
-        """Write what the socket takes now; True when everything is written."""
-        try:
-            while self.parts:
-                n = self.sock.sendmsg(self.parts)
-                while n and self.parts:
-                    k = min(n, len(self.parts[0]))
-                    n -= k
-                    self.parts[0] = self.parts[0][k:]
-                    if not len(self.parts[0]):
-                        self.parts.pop(0)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError as exc:
-            raise PeerLost(f"mirror send: {exc}") from exc
-        return True
-
-
-class _Recv:
-    event = selectors.EVENT_READ
-
-    def __init__(self, sock: socket.socket, buf: torch.Tensor, src: int):
-        self.sock, self.src = sock, src
-        self.buf = memoryview(buf.numpy()).cast("B")
-        self.head = bytearray(LENGTH.size)
-        self.view = memoryview(self.head)  # the length first, then the payload's prefix
-        self.in_payload = False
-
-    def step(self) -> bool:
-        """Read what has arrived; True when the whole message is in."""
-        try:
-            while True:
-                if not len(self.view):
-                    if self.in_payload:
-                        return True
-                    (n,) = LENGTH.unpack(self.head)
-                    if n > len(self.buf):
-                        raise PeerLost(f"mirror receive: {n} bytes from rank {self.src} do "
-                                       f"not fit the {len(self.buf)}-byte receive buffer")
-                    self.view, self.in_payload = self.buf[:n], True
-                    continue
-                got = self.sock.recv_into(self.view)
-                if got == 0:
-                    raise PeerLost(f"mirror receive: rank {self.src} closed the connection")
-                self.view = self.view[got:]
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError as exc:
-            raise PeerLost(f"mirror receive from rank {self.src}: {exc}") from exc
