@@ -253,7 +253,11 @@ def test_native_code_holding_the_gil_stops_a_python_heartbeat_thread():
     stop.set()
     th.join()
     assert any(t < t0 for t in ticks) and any(t > t1 for t in ticks)  # it ran around it
-    assert not [t for t in ticks if t0 + 0.05 < t < t1 - 0.05]  # never during it
+    # never during it: between t0 and t1 lies a tick-free stretch as long as the hold. (Not
+    # "no tick in (t0, t1)": on a loaded machine the main thread may yield the GIL right
+    # before the call or right after it, and the ticker then ticks inside [t0, t1].)
+    inside = [t0] + sorted(t for t in ticks if t0 <= t <= t1) + [t1]
+    assert max(b - a for a, b in zip(inside, inside[1:])) >= 0.55, inside
 
 
 # ------------------------------------------------------------------ real jobs (slow)
