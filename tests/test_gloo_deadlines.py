@@ -82,6 +82,19 @@ def test_an_nccl_world_starts_under_the_rendezvous_timeout():
     assert w.form_timeout_s(1) == cfg.regroup_timeout_s
 
 
+def _training_world(store, rank: int, op_timeout_s: float) -> World:
+    """A 2-rank gloo world of generation 0 built through World, PP2, with training
+    started (every deadline lowered to ``op_timeout_s``)."""
+    w = World("gloo", 0, 60.0, 600.0, lambda *a, **k: None, gloo_op_timeout_s=op_timeout_s,
+              regroup_timeout_s=op_timeout_s)
+    w.mp_kwargs = {"pipeline_model_parallel_size": 2}
+    w.init_process_group(store, 0, rank, 2)
+    w.build_groups()
+    w.set_collective_timeouts()
+    w.bound_gloo_deadlines()
+    return w
+
+
 def _p2p_worker(rank: int, path: str, out) -> None:
     """Rank 0 waits for a send that rank 1 never makes, on a group of generation 0 built
     through World after training started (every deadline lowered). Rank 1 stays alive
@@ -91,13 +104,7 @@ def _p2p_worker(rank: int, path: str, out) -> None:
     store = dist.FileStore(path, 2)
     # op deadline 5 s, not lower: the groups are created under it too, and on a loaded
     # machine a 1 s bound ended their connect before the recv (Connect timeout)
-    w = World("gloo", 0, 60.0, 600.0, lambda *a, **k: None, gloo_op_timeout_s=5.0,
-              regroup_timeout_s=5.0)
-    w.mp_kwargs = {"pipeline_model_parallel_size": 2}
-    w.init_process_group(store, 0, rank, 2)
-    w.build_groups()
-    w.set_collective_timeouts()
-    w.bound_gloo_deadlines()
+    _training_world(store, rank, 5.0)
     if rank == 0:
         try:
             dist.irecv(torch.zeros(4), 1, group=ps.get_pipeline_model_parallel_group()).wait()
@@ -197,13 +204,7 @@ def _stuck_send_worker(rank: int, path: str, out) -> None:
     from megatron.core import parallel_state as ps
 
     store = dist.FileStore(path, 2)
-    w = World("gloo", 0, 60.0, 600.0, lambda *a, **k: None, gloo_op_timeout_s=20.0,
-              regroup_timeout_s=20.0)
-    w.mp_kwargs = {"pipeline_model_parallel_size": 2}
-    w.init_process_group(store, 0, rank, 2)
-    w.build_groups()
-    w.set_collective_timeouts()
-    w.bound_gloo_deadlines()
+    w = _training_world(store, rank, 20.0)
     pp = ps.get_pipeline_model_parallel_group()
     unknown = dist.new_group([0, 1], backend="gloo", timeout=timedelta(seconds=20))
     if rank == 1:

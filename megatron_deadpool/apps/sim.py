@@ -192,11 +192,14 @@ def validate(runs: List[Dict], cfg: SimConfig) -> List[Dict]:
     return out
 
 
-def checkpoint_interval_s(cfg: SimConfig, system_mtbf_s: float) -> float:
-    """The given interval, or Young's optimum sqrt(2 * write * MTBF) (>= one iteration)."""
+def checkpoint_interval_s(cfg: SimConfig, system_mtbf_s: float,
+                          write_s: Optional[float] = None) -> float:
+    """The given interval, or Young's optimum sqrt(2 * write * MTBF) (>= one iteration);
+    ``write_s``: another write cost than ``cfg.checkpoint_write_s`` (a local checkpoint)."""
     if cfg.checkpoint_interval_min is not None:
         return cfg.checkpoint_interval_min * 60
-    return max(math.sqrt(2 * cfg.checkpoint_write_s * system_mtbf_s), cfg.iteration_s)
+    write = cfg.checkpoint_write_s if write_s is None else write_s
+    return max(math.sqrt(2 * write * system_mtbf_s), cfg.iteration_s)
 
 
 def strategies_at(cfg: SimConfig, laws: Dict[str, scaling.Law], gpus: int) -> Dict:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict
@@ -95,8 +94,7 @@ def lost_per_failure(system: str, m: dict, cfg: sim.SimConfig, scale: PeerScale,
         load = nbytes * 8 / (scale.local_gbps * 1e9)
     else:
         write, load = cfg.checkpoint_write_s, cfg.checkpoint_load_s
-    tau = (cfg.checkpoint_interval_min * 60 if cfg.checkpoint_interval_min is not None
-           else max(math.sqrt(2 * write * mtbf_s), cfg.iteration_s))
+    tau = sim.checkpoint_interval_s(cfg, mtbf_s, write)
     parts = {"requeue_s": scale.requeue_s if system == "relaunch" else 0.0,
              "start_measured_s": _piece(m, "other_s"), "init_s": scale.init_s,
              "build_measured_s": _piece(m, "build_s"), "load_s": load,

@@ -24,6 +24,7 @@ from ..base.worker_env import WorkerEnv
 
 
 GROUP_SIGNALS = (signal.SIGKILL, signal.SIGSTOP, signal.SIGCONT)
+STOP_GRACE_S = 5.0  # between a worker's SIGTERM and its SIGKILL when its agent stops it
 
 
 @dataclass
@@ -156,11 +157,12 @@ class NodeAgent:
     def ask_to_stop(self) -> None:
         """SIGTERM (after SIGCONT) to every live worker; ``terminate_all`` finishes it."""
         for lid in self.alive():
-            self._stopped.append(self.procs[lid])
+            if self.procs[lid] not in self._stopped:
+                self._stopped.append(self.procs[lid])
             self.signal(lid, signal.SIGCONT)
             self.signal(lid, signal.SIGTERM)
 
-    def terminate_all(self, grace_s: float = 5.0) -> None:
+    def terminate_all(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM to every live worker, SIGKILL after ``grace_s``; then what is left of
         the sessions of the workers ended here (their children) is killed too."""
         self.ask_to_stop()

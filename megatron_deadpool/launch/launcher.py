@@ -26,7 +26,7 @@ from ..base.state import Role
 from ..membership.decider import Decider, Proc
 from ..recovery.phases import EventSink
 from ..base.worker_env import WorkerEnv
-from .agent import NodeAgent, WorkerSpec
+from .agent import STOP_GRACE_S, NodeAgent, WorkerSpec
 from .fault_driver import FaultDriver
 from .options import LaunchOptions, free_port, validate, worker_command, worker_specs
 from .slurm_drain import watch_this_node
@@ -105,9 +105,6 @@ def run(opts: LaunchOptions, out=sys.stdout) -> dict:
         with open(opts.summary_json, "w") as f:
             json.dump(summary, f, indent=2)
     return summary
-
-
-STOP_GRACE_S = 5.0  # between a worker's SIGTERM and its SIGKILL when the launcher stops
 
 
 class Signalled(Exception):
