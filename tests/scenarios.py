@@ -89,7 +89,7 @@ SCENARIOS = [
     Scenario("spare_exhaustion", ("kill:node=1@iter=4", "kill:node=2@iter=8"), spares=1,
              expect=STOPPED, what="a second node dies when no spare is left"),
     # 40 iterations: the fastest layout (TP1.PP1.DP8) ran 12 in less than the 0.9 s wait.
-    Scenario("unstaged_kill", ("kill:node=2@t=0.9",), recoveries=1, ci=True, iters=40,
+    Scenario("unstaged_kill", ("kill:node=2@t=0.9",), recoveries=1, iters=40,
              what="SIGKILL from outside at a wall-clock instant (seeded), not a fault point"),
     Scenario("local_restart", ("kill:rank=5@iter=6",), recoveries=1, local_restarts=1,
              flags=("--deadpool-max-local-restarts", "1"),
@@ -114,7 +114,7 @@ SCENARIOS = [
     # Stopped inside its save: fenced after the save section's timeout (10 s), not at the
     # heartbeat timeout. The others wait for it in their next step: the rendezvous timeout
     # of 200 s keeps their gloo deadline (25 s) past that.
-    Scenario("sigstop_in_save", ("stop:rank=3@iter=6,phase=save",), recoveries=1,
+    Scenario("sigstop_in_save", ("stop:rank=3@iter=6,phase=save",), recoveries=1, ci=True,
              flags=("--mock-save-interval", "6", "--mock-save-s", "1",
                     "--deadpool-section-timeouts", "save=10",
                     "--deadpool-rendezvous-timeout", "200"),
@@ -122,7 +122,7 @@ SCENARIOS = [
     # Rank 2 knocks on all 8 listeners: an old bare hello and a wrong proof are refused at
     # once (16); its silent connections are refused at the handshake deadline, if the run
     # still goes on then.
-    Scenario("impostor_mirror_peer", ("impostor:rank=2@iter=3",), recoveries=0,
+    Scenario("impostor_mirror_peer", ("impostor:rank=2@iter=3",), recoveries=0, ci=True,
              refused_peers=16,
              what="a client without the job secret connects to every mirror listener (old "
                   "hello, wrong proof, silent): refused and logged, training goes on"),

@@ -76,7 +76,7 @@ def test_the_decider_publishes_a_drain_answers_and_takes_the_leaving_exit_as_don
     d.step()
     assert not store.check([st.k("drain", "n2")])  # generation 1 has not restored yet
     for rank in range(8):  # every rank's first step after the swap
-        store.set(st.k("report", 1, rank), "{}")
+        _c(store).put_rank_record("report", 1, rank, {})
     d.step()
     assert d.procs[2].state == "done" and not d.pending_dead  # no failure
     assert [c["replaces"] for _, c in cmds if c["op"] == "spawn"] == [2, 3]  # to standby
@@ -98,7 +98,7 @@ def test_the_new_plans_ranks_complete_the_job_however_late_the_drained_exits_com
     d.step()
     assert d.drains.active is not None
     for rank in range(8):  # generation 1 restored and stepped
-        store.set(st.k("report", 1, rank), "{}")
+        _c(store).put_rank_record("report", 1, rank, {})
     d.step()
     assert d.drains.active is None  # applied: a failure from now on is planned from it
     for lid in range(8):  # the drained (2, 3) and the staying processes are done; no exits

@@ -1,7 +1,6 @@
 """World's gloo deadlines: the collective timeout while startup may keep ranks apart, then
 (first training step) the bounded per-op deadline on a gloo world, never on NCCL."""
 
-import time
 from datetime import timedelta
 
 import pytest
@@ -194,11 +193,12 @@ def test_a_save_outlasting_the_gloo_op_deadline_is_no_failure(tmp_path, section,
     assert [v for r, v in got if not isinstance(v, str)] == [1.0, 1.0]
 
 
-def _stuck_send_worker(rank: int, path: str, out) -> None:
-    """Rank 0: a healthy isend and a batched one (through the wrapper), then a send on a
-    gloo group that the abort's socket shutdown does not know (made outside
-    ``communicator_sockets``) to rank 1, which lives but never receives it, under a 20 s op
-    deadline: only the abort, from another thread, can end the wait early."""
+def _stuck_worker(rank: int, path: str, stuck: str, out) -> None:
+    """Rank 0: healthy operations through the wrappers (a plain and a batched isend, a
+    blocking and an asynchronous all_reduce, a barrier), then a ``stuck`` operation (a send,
+    or an all_reduce) on a gloo group that the abort's socket shutdown does not know (made
+    outside ``communicator_sockets``) with rank 1, which lives but never takes part, under a
+    20 s op deadline: only the abort, from another thread, can end the wait early."""
     import threading
 
     from megatron.core import parallel_state as ps
@@ -207,6 +207,10 @@ def _stuck_send_worker(rank: int, path: str, out) -> None:
     w = _training_world(store, rank, 20.0)
     pp = ps.get_pipeline_model_parallel_group()
     unknown = dist.new_group([0, 1], backend="gloo", timeout=timedelta(seconds=20))
+    x, y = torch.full((4,), rank + 1.0), torch.full((2,), 10.0 * (rank + 1))
+    dist.all_reduce(x, group=pp)
+    dist.all_reduce(y, group=pp, async_op=True).wait()
+    dist.barrier(group=pp)
     if rank == 1:
         a, b = torch.zeros(4), torch.zeros(4)
         dist.recv(a, 0, group=pp)
@@ -221,30 +225,35 @@ def _stuck_send_worker(rank: int, path: str, out) -> None:
     for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((4,), 2.0), 1, pp)]):
         req.wait()
     store.wait(["received"], timedelta(seconds=60))
-    received = store.get("received").decode()
+    received = f"{store.get('received').decode()} {x.sum().item()} {y.sum().item()}"
     threading.Timer(2.0, lambda: w.abort("test: the plan moved on", 0)).start()
     try:
-        dist.isend(torch.ones(4), 1, group=unknown).wait()
+        if stuck == "send":
+            dist.isend(torch.ones(4), 1, group=unknown).wait()
+        else:
+            dist.all_reduce(torch.ones(4), group=unknown)
         out.put((kind, received, "completed"))
     except RuntimeError as exc:
         out.put((kind, received, str(exc)))
     store.set("reported", "1")
 
 
-def test_a_p2p_wait_the_socket_shutdown_misses_ends_at_the_abort(tmp_path):
+@pytest.mark.parametrize("stuck", ["send", "all_reduce"])
+def test_a_gloo_wait_the_socket_shutdown_misses_ends_at_the_abort(tmp_path, stuck):
     """A survivor blocked in a gloo send once sat out the whole op deadline (15 s) before
-    reaching the new plan. A p2p wait whose connection the abort does not break (here: a
-    group the abort's socket record does not hold, a peer that neither receives nor closes)
-    now ends at the abort (recovery/gloo_p2p.py) with a communication failure, not at the
-    deadline. Healthy sends, plain and batched, go through the same wrapper unchanged."""
+    reaching the new plan, and one in a collective still did after the p2p fix. A wait
+    whose connection the abort does not break (here: a group the abort's socket record does
+    not hold, a peer that never takes part) now ends at the abort (recovery/gloo_waits.py)
+    with a communication failure, not at the deadline. Healthy operations, p2p and
+    collective, blocking and asynchronous, go through the same wrappers unchanged."""
     import multiprocessing as mp
 
-    from megatron_deadpool.recovery import gloo_p2p
+    from megatron_deadpool.recovery import gloo_waits
     from megatron_deadpool.recovery.classify import is_comm_failure
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_stuck_send_worker, args=(r, str(tmp_path / "store"), out))
+    procs = [ctx.Process(target=_stuck_worker, args=(r, str(tmp_path / "store"), stuck, out))
              for r in (0, 1)]
     for p in procs:
         p.start()
@@ -255,16 +264,17 @@ def test_a_p2p_wait_the_socket_shutdown_misses_ends_at_the_abort(tmp_path):
             p.join(150)
             if p.is_alive():
                 p.kill()
-    assert kind == "AbortableP2P"
-    assert received == "4.0 8.0"  # both healthy sends arrived, in order
-    assert msg == gloo_p2p.ABANDONED, msg  # not "Timed out waiting 20000ms for send"
+    assert kind == "AbortableWork"
+    # both healthy sends arrived, in order; the all_reduces summed 1+2 and 10+20
+    assert received == "4.0 8.0 12.0 60.0"
+    assert msg == gloo_waits.ABANDONED, msg  # not "Timed out waiting 20000ms for ..."
     assert is_comm_failure(RuntimeError(msg))
 
 
 def test_a_p2p_work_issued_before_an_abort_is_never_waited_on_after_it():
     """A work issued in the old generation and first waited on after the abort would sit
     in gloo again: it raises at once. One already done keeps its result."""
-    from megatron_deadpool.recovery import gloo_p2p
+    from megatron_deadpool.recovery import gloo_waits
 
     class Work:
         def __init__(self):
@@ -274,12 +284,61 @@ def test_a_p2p_work_issued_before_an_abort_is_never_waited_on_after_it():
             self.waited += 1
             return True
 
-    done, late = gloo_p2p.AbortableP2P(Work()), gloo_p2p.AbortableP2P(Work())
+    done, late = gloo_waits.AbortableWork(Work()), gloo_waits.AbortableWork(Work())
     assert done.wait() and done.is_completed()
-    assert gloo_p2p.abandon_all() == 0  # nothing was pending
+    assert gloo_waits.abandon_all() == 0  # nothing was pending
     with pytest.raises(RuntimeError, match="communicator was aborted"):
         late.wait()
     assert late._work.waited == 0  # never handed to gloo
     assert done.wait()  # done before the abort: still done
-    fresh = gloo_p2p.AbortableP2P(Work())
+    fresh = gloo_waits.AbortableWork(Work())
     assert fresh.wait() and fresh._work.waited == 1
+
+
+def _stuck_group_worker(rank: int, port: int, out) -> None:
+    """Rank 0 creates a gloo group that rank 1 (alive, on the same store) never joins, as a
+    survivor does when a member dies during a recovery's group rebuild: the creation waits
+    in a store get for rank 1's address, under a 20 s bound; only the abort can end it."""
+    import threading
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    w = _training_world(store, rank, 20.0)
+    if rank == 1:
+        store.wait(["reported"], timedelta(seconds=120))
+        return
+    threading.Timer(2.0, lambda: w.abort("test: the plan moved on", 0)).start()
+    try:
+        dist.new_group([0, 1], backend="gloo", timeout=timedelta(seconds=20))
+        out.put(("completed", ""))
+    except Exception as exc:  # noqa: BLE001 - what the creation raised is the result
+        out.put((type(exc).__name__, str(exc)[:300]))
+    store.set("reported", "1")
+
+
+def test_a_group_creation_waiting_for_a_dead_member_ends_at_the_abort():
+    """``cascade_in_rebuild_groups`` waited out the regroup bound (17 s): a group's creation
+    waits in a store get for every member's address, and no socket of the communicators
+    carries it. Each generation now forms on a store connection of its own, which the
+    abort shuts down with the communicators (abort.py: generation_store)."""
+    import multiprocessing as mp
+
+    from megatron_deadpool.recovery.classify import is_comm_failure
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=60))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_stuck_group_worker, args=(r, server.port, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        kind, msg = out.get(timeout=150)
+    finally:
+        for p in procs:
+            p.join(150)
+            if p.is_alive():
+                p.kill()
+    assert kind != "completed", msg
+    assert "timeout" not in msg.lower() and "timed out" not in msg.lower(), (kind, msg)
+    assert is_comm_failure(RuntimeError(msg)) or kind.startswith("Dist"), (kind, msg)

@@ -102,6 +102,7 @@ def test_rank_killed_during_mirror_exchange(tmp_path, reference):
     assert rec["failed_ranks"] == [2] and rec["restored_iter"] == 4
 
 
+@pytest.mark.ci
 def test_a_node_killed_from_outside_is_one_recovery(tmp_path, reference):
     """A real node loss, imitated with no fault driver and no fault point: once iteration 5
     is reported, every process of node 1 is SIGKILLed from outside the job, one after the

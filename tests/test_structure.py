@@ -16,7 +16,7 @@ LAYERS = [
     ("foundations", {"base": ["errors", "vocabulary", "state", "faults", "config", "sections",
                               "worker_env", "planning", "scaling"]}),
     ("mechanisms", {
-        "membership": ["auth", "assign", "plan", "procs", "local_restart", "startup", "store",
+        "membership": ["auth", "assign", "plan", "procs", "local_restart", "startup", "records", "store",
                        "drain", "straggler", "decider", "member"],
         "mirror": ["placement", "snapshot", "transport", "frames", "socket_transport", "handshake",
                    "metadata", "impostor", "threads", "d2h", "cost", "meter", "flat", "commit",
@@ -25,7 +25,7 @@ LAYERS = [
                      "checkpoints", "iterators", "ddp", "training_globals", "tags",
                      "evaluation", "async_saves", "cadence"],
         "recovery": ["phases", "classify", "abort", "quiet", "reaper", "rebind", "restore",
-                     "shared_groups", "stall", "world", "gloo_p2p", "fault_points", "formation", "alarms",
+                     "shared_groups", "stall", "world", "gloo_waits", "fault_points", "formation", "alarms",
                      "fallback", "boundary"]}),
     ("control", {"control": ["protected", "recovery", "runtime"]}),
     ("api", {"": ["api"]}),

@@ -7,7 +7,6 @@ from conftest import launch, layout_flags
 pytestmark = [pytest.mark.slow]
 
 
-@pytest.mark.ci
 def test_reference_config_deterministic_loss_falls_seed_matters(tmp_path):
     flags = layout_flags(2, 2, 20)
     p1, s1 = launch(tmp_path, flags, name="a")

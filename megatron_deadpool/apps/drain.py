@@ -57,7 +57,7 @@ def run(args) -> int:
           "iteration boundary")
     if not args.wait:
         return 0
-    done = _wait_for_reports(coord.raw, gen, answer["world_size"], args.timeout)
+    done = _wait_for_reports(coord, gen, answer["world_size"], args.timeout)
     wall = max(r["t_done"] for r in done) - answer["t_request"]
     redone = max(r["iteration_at_failure"] - r["restored_iter"] for r in done
                  if r.get("iteration_at_failure") is not None)
@@ -67,14 +67,11 @@ def run(args) -> int:
     return 0
 
 
-def _wait_for_reports(store, gen: int, world_size: int, timeout_s: float) -> list:
-    from ..membership import store as st
-
-    keys = [st.k("report", gen, r) for r in range(world_size)]
+def _wait_for_reports(coord, gen: int, world_size: int, timeout_s: float) -> list:
     deadline = time.monotonic() + timeout_s
-    while not store.check(keys):
+    while (done := coord.rank_records("report", gen, world_size)) is None:
         if time.monotonic() > deadline:
             raise DeadpoolError(f"the drain's generation {gen} did not finish its first "
                                 f"step in {timeout_s:g}s")
         time.sleep(0.05)
-    return [st.get_json(store, key) for key in keys]
+    return done

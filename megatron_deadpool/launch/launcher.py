@@ -92,7 +92,7 @@ def run(opts: LaunchOptions, out=sys.stdout) -> dict:
         _wind_down(job)
         restore()
     codes = {lid: code for a in job.agents for lid, code in a.exit_codes.items()}
-    summary = build_summary(opts, cfg, job.env.results_dir, job.decider, job.store, codes,
+    summary = build_summary(opts, cfg, job.env.results_dir, job.decider, codes,
                             job.failed, time.time() - t0,
                             fault_records=job.driver.records if job.driver else ())
     saved = summary.get("fallback_save")

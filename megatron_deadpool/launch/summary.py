@@ -7,7 +7,6 @@ import json
 import os
 from typing import Dict, List
 
-from ..membership import store as st
 from ..membership.plan import Plan
 from ..membership.procs import ProcState
 from ..mirror import persist
@@ -52,7 +51,7 @@ def read_rank_results(results_dir: str, world_size: int) -> List[dict]:
     return out
 
 
-def build_summary(opts, cfg, results_dir, decider, store, codes, failed, wall_s,
+def build_summary(opts, cfg, results_dir, decider, codes, failed, wall_s,
                   fault_records=()) -> dict:
     ranks = read_rank_results(results_dir, opts.world_size)
     shas = {x["final_state_sha256"] for x in ranks}
@@ -79,12 +78,13 @@ def build_summary(opts, cfg, results_dir, decider, store, codes, failed, wall_s,
     if decider is not None:
         summary["faults"] = [{k: v for k, v in f.items() if k != "t"} | {"t": round(f["t"], 3)}
                              for f in fault_records]
-        later = [(plan, _recovery(plan, store, opts.world_size)) for plan in decider.plans[1:]]
+        later = [(plan, _recovery(plan, decider.coord, opts.world_size)) for plan in decider.plans[1:]]
         summary["recoveries"] = [r for plan, r in later if plan.drain is None]
         summary["drains"] = [_drain(plan, r) for plan, r in later if plan.drain is not None]
         summary["drains_refused"] = list(decider.drains.refused)
         summary["local_restarts"] = _local_restarts(decider, summary["recoveries"])
         summary["waited_for_spare_s"] = round(decider.waited_for_spare_s, 3)
+        summary["forged_events_ignored"] = decider.forged  # store.py, queue.py
         if decider.startup_error is not None:  # "ExcType: message (first raised by rank R)"
             summary["startup_error"] = decider.startup_error
         if cfg.enabled and cfg.fallback_save_dir:
@@ -149,12 +149,9 @@ def _drain(plan: Plan, rec: dict) -> dict:
             "applied": not rec["superseded"]}
 
 
-def _recovery(plan: Plan, store, world_size: int) -> dict:
-    reports = []
-    for r in range(world_size):
-        key = st.k("report", plan.gen, r)
-        if store.check([key]):
-            reports.append(st.get_json(store, key))
+def _recovery(plan: Plan, coord, world_size: int) -> dict:
+    reports = [x for x in (coord.rank_record("report", plan.gen, r) for r in range(world_size))
+               if x is not None]
     phases = {"detect": round(plan.detect_s, 4)}
     for ph in PHASE_ORDER[1:]:
         vals = [x["phases_s"].get(ph) for x in reports if ph in x.get("phases_s", {})]

@@ -11,6 +11,7 @@ Time comes from an injectable ``clock``, so tests advance it instead of sleeping
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -56,7 +57,8 @@ class Decider:
         self._failure_t = 0.0
         self.agents = AgentClock(self.config.heartbeat_timeout_s)
         self.coord = st.Coordinator(self.store, self.token)
-        self.rejected: List[dict] = []  # forged or replayed messages, never acted on
+        # forged or replayed messages, never acted on: a count and the last 100 (bounded)
+        self.forged, self.rejected = 0, collections.deque(maxlen=100)
         self._waiting_logged = False
         self.next_lid = max(self.procs, default=-1) + 1
         self.local = LocalRestarts(self.config.max_local_restarts)
@@ -97,7 +99,7 @@ class Decider:
         if self.finished:
             return
         for ev in self.coord.read_events(self.cursor):
-            self.cursor += 1
+            self.cursor = ev["i"]
             self._on_event(ev)
             if self.finished:
                 return  # stopped (a fatal or a startup error): no plan follows
@@ -132,7 +134,10 @@ class Decider:
             handler(ev)
 
     def _on_forged(self, ev: dict) -> None:
-        self.rejected.append(ev)
+        self.forged += 1
+        claimed = ev.get("claimed", {})
+        self.rejected.append({"i": ev["i"], "why": str(ev["why"])[:200],
+                              "claimed": {"kind": str(claimed.get("kind"))[:40]}})
         self.log(f"ignored an event that is not signed with the job secret "
                  f"({ev['why']}): {str(ev.get('claimed', {}))[:120]}")
         self.coord.refuse_forged_join(ev.get("claimed", {}))
@@ -184,6 +189,8 @@ class Decider:
             self.stop(f"{StopReason.STARTUP.value}: {self.startup_error}")
 
     def _poll_heartbeats(self, now: float) -> None:
+        if healed := self.coord.owned.heal():  # a forger overwrote a record members poll
+            self.log(f"put back record(s) overwritten without the secret: {', '.join(healed)}")
         # a drain's plan is taken at the boundary the ranks agree on, not at once
         plan_t = now if self.drains.active is not None else self._plan_t
         for p, why, since, fence in scan(self.coord, self.procs, self.agents, now, self.config,

@@ -17,10 +17,12 @@ import logging
 import threading
 import time
 import traceback
+from datetime import timedelta
 from typing import Callable, Iterator, Optional
 
 from ..base.errors import DeadpoolError, stopped
 from ..base.sections import SectionTracker
+from . import auth
 from . import store as st
 from .plan import Plan
 from .store import EventKind
@@ -42,6 +44,7 @@ class Member:
         self.coord = st.Coordinator(self.store, secret)
         self.stop_reason: Optional[str] = None
         self.taken_gen = -1  # the newest plan this process took (heartbeats carry it)
+        self._bad_plans: set = set()  # generations whose plan slot did not verify (logged)
         self.sections = SectionTracker()  # the section heartbeats name (Deadpool.section)
         self._stop = threading.Event()
         self._watcher: Optional[threading.Thread] = None
@@ -163,8 +166,8 @@ class Member:
         while True:
             self.raise_if_stopped()
             g = self.coord.current_gen()
-            if g >= min_gen:
-                plan = self.coord.get_plan(g)
+            plan = self._verified_plan(g) if g >= min_gen else None
+            if plan is not None:
                 if plan.rank(self.lid) is not None or timeout_s is not None:
                     return self._took(plan)
                 min_gen = g + 1
@@ -181,8 +184,8 @@ class Member:
             time.sleep(PLAN_POLL_S)
 
     def arrive(self, gen: int, world_size: int) -> None:
-        """Abortable rendezvous (``store.arrive``); raises GenerationMoved or JobStopped."""
-        st.arrive(self.coord, gen, world_size, self.rendezvous_timeout_s,
+        """Abortable rendezvous (``arrive``); raises GenerationMoved or JobStopped."""
+        arrive(self.coord, gen, world_size, self.rendezvous_timeout_s,
                   stop=self.raise_if_stopped)
 
     def wait_until_ready(self, gen: int, world_size: int, timeout_s: float) -> None:
@@ -198,7 +201,7 @@ class Member:
                 raise st.GenerationMoved(f"a member of generation {gen} failed")
 
         try:
-            st.arrive(self.coord, gen, world_size, timeout_s, stop=moved, barrier="ready")
+            arrive(self.coord, gen, world_size, timeout_s, stop=moved, barrier="ready")
         except TimeoutError as exc:
             raise DeadpoolError(f"{exc}: a promoted spare did not build its model in time "
                                 "(--deadpool-spare-ready-timeout)") from None
@@ -208,9 +211,7 @@ class Member:
         self.coord.push_event(kind, lid=self.lid, **fields)
 
     def report_recovery(self, gen: int, rank: int, report: dict) -> None:
-        import json
-
-        self.store.set(st.k("report", gen, rank), json.dumps(report))
+        self.coord.put_rank_record("report", gen, rank, report)
 
     def _here(self) -> st.Coordinator:
         """The connection of the calling thread: a store client is not shared between the
@@ -218,25 +219,61 @@ class Member:
         on_watcher = threading.current_thread() is self._watcher
         return self._watch_coord if on_watcher and self._watch_coord else self.coord
 
-    def peek_plan(self, gen: int) -> Plan:
+    def peek_plan(self, gen: int) -> Optional[Plan]:
         """Generation ``gen``'s plan, without taking it (is it a drain's?)."""
-        return self._here().get_plan(gen)
+        return self._verified_plan(gen, self._here())
+
+    def _verified_plan(self, gen: int, coord: Optional[st.Coordinator] = None) -> Optional[Plan]:
+        """``gen``'s plan, or None while its slot holds a record that does not verify (a
+        forger overwrote it: logged once; the wait goes on until its deadline)."""
+        try:
+            return (coord or self.coord).get_plan(gen)
+        except auth.AuthError as exc:
+            if gen not in self._bad_plans:
+                self._bad_plans.add(gen)
+                log.warning("ignored generation %d's plan: %s", gen, exc)
+            return None
 
     def post_boundary(self, gen: int, rank: int, iteration: int) -> None:
         """The iteration this rank stops at for planned generation ``gen``."""
-        self._here().raw.set(st.k("boundary", gen, rank), str(int(iteration)))
+        self._here().put_rank_record("boundary", gen, rank, {"iteration": int(iteration)})
 
     def boundaries(self, gen: int, world_size: int) -> Optional[list]:
         """Every rank's posted boundary for ``gen``, once all have posted, else None."""
-        keys = [st.k("boundary", gen, r) for r in range(world_size)]
-        if not self.store.check(keys):
-            return None
-        return [int(v) for v in self.store.multi_get(keys)]
+        got = self.coord.rank_records("boundary", gen, world_size)
+        return None if got is None else [int(b["iteration"]) for b in got]
 
     def reports_done(self, gen: int, world_size: int) -> bool:
         """Every rank of generation ``gen`` finished its first step after the restore."""
-        return self.store.check([st.k("report", gen, r) for r in range(world_size)])
+        return self.coord.rank_records("report", gen, world_size) is not None
 
     def claim_fault(self, index: int) -> bool:
         """True for the first process of the job to reach scheduled fault ``index``."""
         return self.store.add(st.k("inject", index), 1) == 1
+
+
+def arrive(coord: st.Coordinator, gen: int, world_size: int, timeout_s: float,
+           stop=lambda: None, poll_s: float = 0.2, barrier: str = "arrived") -> None:
+    """Abortable rendezvous before a generation's world is built: returns once all
+    ``world_size`` members of generation ``gen`` arrived; raises GenerationMoved as soon as a
+    newer generation exists (a member died meanwhile: nobody waits out a timeout for it).
+    ``stop()`` may raise to abandon the wait (the job is shutting down). One counter and one
+    "all here" key per generation: O(1) store operations per member and poll. ``barrier``
+    names another barrier of the same generation (``ready``: every member can restore)."""
+    store = coord.raw
+    done = st.k(barrier, gen, "all")
+    if store.add(st.k(barrier, gen), 1) >= world_size:  # a forged count: early, never stuck
+        store.set(done, "1")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            store.wait([done], timedelta(seconds=poll_s))
+            return
+        except Exception:  # noqa: BLE001 - a wait timeout: check why we are still waiting
+            pass
+        if coord.current_gen() > gen:
+            raise st.GenerationMoved(f"generation {coord.current_gen()} replaced {gen}")
+        stop()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"generation {gen}: only {store.add(st.k(barrier, gen), 0)} of "
+                               f"{world_size} members {barrier} in {timeout_s:.0f}s")

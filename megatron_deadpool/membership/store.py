@@ -12,16 +12,16 @@ below marked (signed) is sealed with the job secret for its slot (``auth.py``). 
     dp/job_env                     what every worker is told (WorkerEnv, signed)
     dp/latest                      the current generation (signed, only grows)
     dp/plan/{g}                    JSON plan of generation g (signed, gen)
-    dp/failing/{g}                 a member of generation g was declared dead; its
-                                   replacement plan may take a while (signed, gen)
+    dp/failing/{g}                 a member of g was declared dead; its replacement plan
+                                   may take a while (signed, gen)
     dp/arrived/{g}, .../all        abortable rendezvous before generation g's world forms
-    dp/ready/{g}, .../all          abortable barrier before generation g's restore: every
-                                   member, a promoted spare too, can receive (model built)
+    dp/ready/{g}, .../all          abortable barrier before g's restore: every member, a
+                                   promoted spare too, can receive (model built)
     dp/hb/{lid}, dp/agent_hb/{n}   worker and node-agent heartbeats (signed)
     dp/cmd/{node}/n, .../{i}       commands for a node agent (signed, node and i; CommandOp)
     dp/inject/{i}                  counter: the first process to reach fault i claims it
-    dp/report/{g}/{rank}           a worker's recovery phase timings for generation g
-    dp/boundary/{g}/{rank}         the iteration a rank stops at for planned generation g
+    dp/report/{g}/{r}, boundary/.. rank r's recovery timings of generation g, the iteration
+                                   it stops at for a planned g (signed, g and r)
     dp/shutdown                    set once: the job is over (signed reason)
     gen{g}/...                     torch.distributed rendezvous of generation g (PrefixStore)
 """
@@ -29,7 +29,6 @@ below marked (signed) is sealed with the job secret for its slot (``auth.py``). 
 from __future__ import annotations
 
 import enum
-import json
 import secrets
 import socket
 import time
@@ -39,6 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ..base.errors import TokenError
 from . import auth
 from .plan import Plan
+from .records import CountedQueue, OwnedSlots, peek
 
 ROOT = "dp/"
 
@@ -80,10 +80,6 @@ def connect(host: str, port: int, timeout_s: float = 60.0, is_master: bool = Fal
                     timeout=timedelta(seconds=timeout_s), master_listen_fd=fd)
 
 
-def get_json(store, key: str) -> Any:
-    return json.loads(store.get(key).decode())
-
-
 class Coordinator:
     """The store as job members use it: every message sealed with the job secret (see
     ``auth.py``) and opened only if it verifies for its slot. Forged, unsigned or misplaced
@@ -93,6 +89,9 @@ class Coordinator:
     def __init__(self, store, secret: str):
         self.raw, self.secret = store, secret
         self._gen = 0
+        self._queues: Dict[str, CountedQueue] = {}  # the counted queues this reader reads
+        self.owned = OwnedSlots(store)  # the single-slot records this writer put back (heal)
+        self._done: set = set()  # generations whose every rank reported (generation_done)
 
     # -------------------------------------------------------------- events
     def push_event(self, kind: str, **fields) -> None:
@@ -101,25 +100,30 @@ class Coordinator:
                                                              "t": time.time(), **fields}))
 
     def read_events(self, start: int) -> List[dict]:
-        """Events with index > start (1-based); a message that does not verify becomes
-        {"kind": "forged", "claimed": <its unverified body>, "why": ...}."""
-        n = self.raw.add(k("events", "n"), 0)
+        """Events with index > start (1-based), each with its index ``i`` (the reader's next
+        ``start``); a record that does not verify, or a stretch of indices counted but never
+        written (records.py), becomes {"kind": "forged", "i": ..., "why": ..., "claimed": <its
+        unverified body>}."""
         out = []
-        for i in range(start + 1, n + 1):
-            key = k("events", i)
-            self.raw.wait([key], timedelta(seconds=10))
-            raw = self.raw.get(key)
+        for i, raw, why in self._queue("events").read(start):
             try:
+                if raw is None:
+                    raise auth.AuthError(why)
                 out.append(auth.open_(self.secret, raw, i=i))
             except auth.AuthError as exc:
-                out.append({"kind": EventKind.FORGED, "i": i, "why": str(exc), "claimed": _peek(raw)})
+                out.append({"kind": EventKind.FORGED, "i": i, "why": str(exc), "claimed": peek(raw)})
         return out
+
+    def _queue(self, *name) -> CountedQueue:
+        if k(*name) not in self._queues:
+            self._queues[k(*name)] = CountedQueue(self.raw, k(*name, "n"), lambda i: k(*name, i))
+        return self._queues[k(*name)]
 
     # -------------------------------------------------------------- plans
     def publish_plan(self, plan: Plan) -> None:
         g = plan.gen
-        self.raw.set(k("plan", g), auth.seal(self.secret, plan.to_json()))
-        self.raw.set(k("latest"), auth.seal(self.secret, {"gen": g}))
+        self.owned.set(k("plan", g), auth.seal(self.secret, plan.to_json()), k("plan", g - 1))
+        self.owned.set(k("latest"), auth.seal(self.secret, {"gen": g}))
 
     def current_gen(self) -> int:
         """The newest generation with a valid signed pointer (a forged one is ignored)."""
@@ -132,7 +136,7 @@ class Coordinator:
         return self._gen
 
     def declare_failing(self, gen: int) -> None:
-        self.raw.set(k("failing", gen), auth.seal(self.secret, {"gen": gen}))
+        self.owned.set(k("failing", gen), auth.seal(self.secret, {"gen": gen}), k("failing", gen - 1))
 
     def is_failing(self, gen: int) -> bool:
         key = k("failing", gen)
@@ -145,7 +149,10 @@ class Coordinator:
 
     def generation_done(self, plan: Plan) -> bool:
         """Every rank of ``plan`` reported its recovery's first step (generation 0: none)."""
-        return plan.gen == 0 or self.raw.check([k("report", plan.gen, r) for r in range(plan.world_size)])
+        if plan.gen not in self._done and (
+                plan.gen == 0 or self.rank_records("report", plan.gen, plan.world_size)):
+            self._done.add(plan.gen)  # verified once, not at every step of the decider
+        return plan.gen in self._done
 
     def get_plan(self, gen: int) -> Plan:
         return Plan.from_json(auth.open_(self.secret, self.raw.get(k("plan", gen)), gen=gen))
@@ -215,14 +222,15 @@ class Coordinator:
     def refuse_forged_join(self, claimed: dict) -> None:
         """A join request that did not verify is refused, so its sender stops waiting."""
         lid, nonce = claimed.get("lid"), claimed.get("nonce")
-        if claimed.get("kind") == EventKind.JOIN and isinstance(lid, int) and isinstance(nonce, str):
+        if claimed.get("kind") == EventKind.JOIN and isinstance(lid, int) and \
+                isinstance(nonce, str) and len(nonce) <= 64:  # a forger's key stays short
             self.answer_admission(lid, nonce, ok=False, why="wrong job secret")
 
     # -------------------------------------------------------------- shutdown
     def set_shutdown(self, reason: str) -> bool:
         if self.shutdown_reason() is not None:
             return False
-        self.raw.set(k("shutdown"), auth.seal(self.secret, {"reason": reason}))
+        self.owned.set(k("shutdown"), auth.seal(self.secret, {"reason": reason}))
         return True
 
     def shutdown_reason(self) -> Optional[str]:
@@ -267,54 +275,38 @@ class Coordinator:
         self.raw.set(k("cmd", node, i), auth.seal(self.secret, {**cmd, "node": node, "i": i}))
 
     def read_commands(self, node: int, start: int) -> Tuple[List[dict], int, int]:
-        """(verified commands after ``start``, new cursor, how many were rejected)."""
-        n = self.raw.add(k("cmd", node, "n"), 0)
-        out, bad = [], 0
-        for i in range(start + 1, n + 1):
+        """(verified commands after ``start``, new cursor, how many were rejected: records
+        that do not verify and stretches counted but never written, records.py)."""
+        out, bad, cursor = [], 0, start
+        for i, raw, _ in self._queue("cmd", node).read(start):
+            cursor = i
             try:
-                out.append(auth.open_(self.secret, self.raw.get(k("cmd", node, i)),
-                                      node=node, i=i))
+                out.append(auth.open_(self.secret, raw, node=node, i=i))
             except auth.AuthError:
                 bad += 1
-        return out, n, bad
+        return out, cursor, bad
 
+    # -------------------------------------------------------------- per-rank records
+    def put_rank_record(self, what: str, gen: int, rank: int, body: dict) -> None:
+        """A rank's ``report`` or ``boundary`` for generation ``gen`` (signed for the slot)."""
+        self.raw.set(k(what, gen, rank), auth.seal(self.secret, {**body, "gen": gen, "rank": rank}))
 
-def _peek(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw.decode()).get("body")
-        return body if isinstance(body, dict) else {}
-    except (ValueError, AttributeError, RecursionError):  # a forged record: nothing claimed
-        return {}
+    def rank_record(self, what: str, gen: int, rank: int) -> Optional[dict]:
+        """A rank's verified record, or None (not there, or forged: its rank rewrites it)."""
+        key = k(what, gen, rank)
+        try:
+            return auth.open_(self.secret, self.raw.get(key), gen=gen, rank=rank) \
+                if self.raw.check([key]) else None
+        except auth.AuthError:
+            return None
+
+    def rank_records(self, what: str, gen: int, world_size: int) -> Optional[List[dict]]:
+        """Every rank's verified ``what`` record of ``gen``, or None until all are there."""
+        if not self.raw.check([k(what, gen, r) for r in range(world_size)]):
+            return None
+        got = [self.rank_record(what, gen, r) for r in range(world_size)]
+        return None if None in got else got
 
 
 class GenerationMoved(Exception):
     """A newer generation was published while this one's world was forming."""
-
-
-def arrive(coord: "Coordinator", gen: int, world_size: int, timeout_s: float,
-           stop=lambda: None, poll_s: float = 0.2, barrier: str = "arrived") -> None:
-    """Abortable rendezvous before a generation's world is built: returns once all
-    ``world_size`` members of generation ``gen`` arrived; raises GenerationMoved as soon as a
-    newer generation exists (a member died meanwhile: nobody waits out a timeout for it).
-    ``stop()`` may raise to abandon the wait (the job is shutting down). One counter and one
-    "all here" key per generation: O(1) store operations per member and poll. ``barrier``
-    names another barrier of the same generation (``ready``: every member can restore)."""
-    from datetime import timedelta
-
-    store = coord.raw
-    done = k(barrier, gen, "all")
-    if store.add(k(barrier, gen), 1) == world_size:
-        store.set(done, "1")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            store.wait([done], timedelta(seconds=poll_s))
-            return
-        except Exception:  # noqa: BLE001 - a wait timeout: check why we are still waiting
-            pass
-        if coord.current_gen() > gen:
-            raise GenerationMoved(f"generation {coord.current_gen()} replaced {gen}")
-        stop()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"generation {gen}: only {store.add(k(barrier, gen), 0)} of "
-                               f"{world_size} members {barrier} in {timeout_s:.0f}s")

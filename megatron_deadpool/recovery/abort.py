@@ -16,7 +16,8 @@ Every group DeadPool creates is built inside :func:`communicator_sockets` (``Wor
 group's full mesh before its constructor returns, so the sockets that exist after the block
 and not before it are that group's pairs. They are recorded by socket inode (``socket:[N]``
 in /proc/self/fd), not by descriptor number, which a later socket may reuse. Everything else
-survives an abort: the coordinator store's connections (also excluded by port), listening
+survives an abort: the coordinator store's connections (also excluded by port) except the
+generation's own one (``generation_store``), listening
 sockets, a metrics client, a remote data reader, and NCCL's bootstrap and proxy sockets
 (without a ``device_id``, as here, NCCL connects lazily, at a communicator's first
 collective, outside any block; its communicators are aborted by ``abort()``). Limits: a socket that another thread of this
@@ -74,6 +75,29 @@ def owned_socket_inodes() -> Set[int]:
     with _owned_lock:
         return set(_owned)
 
+
+_gen_store: Set[int] = set()  # inodes of the live generation's own store connection
+
+
+def generation_store(store):
+    """A connection of its own to the coordinator's TCPStore for one generation's
+    communicators (``init_process_group`` and every ``new_group``), which the abort shuts
+    down with them: a group's creation waits in a store ``get`` for each member's address,
+    and a member that died meanwhile never writes it (``cascade_in_rebuild_groups`` waited
+    out the regroup bound, 17 s). The coordinator's own connections stay (excluded by port).
+    Any other store (a FileStore in tests) is returned as it is."""
+    import torch.distributed as dist
+
+    if not isinstance(store, dist.TCPStore):
+        return store
+    before = set(socket_inodes())
+    client = dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False,
+                           timeout=store.timeout)
+    with _owned_lock:
+        _gen_store.clear()
+        _gen_store.update(set(socket_inodes()) - before)
+    return client
+
 def _ports(fd: int) -> Optional[tuple]:
     """(local port, remote port) of a connected TCP socket ``fd``; None for anything else
     (not a socket, another family, listening or unconnected)."""
@@ -111,7 +135,9 @@ def comm_socket_fds(keep_ports: Iterable[int], owned: Iterable[int]) -> List[int
 def shutdown_gloo_connections(store_port: int) -> int:
     """Shut down the communicators' TCP connections in this process. Returns how many."""
     n = 0
-    for fd in comm_socket_fds([store_port], owned_socket_inodes()):
+    with _owned_lock:
+        store_fds = [fd for inode, fd in socket_inodes().items() if inode in _gen_store]
+    for fd in comm_socket_fds([store_port], owned_socket_inodes()) + store_fds:
         try:
             s = socket.socket(fileno=os.dup(fd))
         except OSError:

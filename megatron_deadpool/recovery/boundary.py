@@ -62,7 +62,7 @@ class Boundary:
             return False
         self._peeked = gen
         plan = self.member.peek_plan(gen)
-        if plan.drain is None:
+        if plan is None or plan.drain is None:
             return False
         self.notice(plan, state.rank, state.iteration)
         return True

@@ -26,7 +26,7 @@ from typing import Callable, Mapping, Optional
 from ..base.sections import LOPSIDED_SECTIONS
 from ..base.vocabulary import Event
 from . import abort as ab
-from . import gloo_p2p
+from . import gloo_waits
 from .shared_groups import shared_gloo_groups
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class World:
         # what else an abort must wake: the mirror's own connections (protected.py)
         self.on_abort: Callable[[], None] = _nothing
         if backend == "gloo":
-            gloo_p2p.install()  # a p2p wait the socket shutdown does not reach: the abort ends it
+            gloo_waits.install()  # a wait the socket shutdown does not reach: the abort ends it
 
     def also_on_abort(self, wake: Callable[[], None]) -> None:
         """What else a generation's abort must wake (any thread): e.g. the mirror's own
@@ -102,6 +102,7 @@ class World:
                 log.warning("%s=%s would let a dead peer take this process down; using %s "
                             "(CleanUpOnly)", var, old, NCCL_ASYNC_ERROR_HANDLING)
         self._form_timeout_s = self.form_timeout_s(gen)
+        store = ab.generation_store(store)  # a group creation's store wait ends at the abort
         with ab.communicator_sockets():  # the abort shuts these down, and only these
             dist.init_process_group(backend=self.backend,
                                     store=dist.PrefixStore(f"gen{gen}/", store), rank=rank,
@@ -182,7 +183,7 @@ class World:
             if live is None or (newer_than is not None and newer_than <= live):
                 return
             info = ab.abort_communicators(self.backend, self.store_port)
-            info["p2p_waits_abandoned"] = gloo_p2p.abandon_all()
+            info["gloo_waits_abandoned"] = gloo_waits.abandon_all()
             self.on_abort()
             self.aborted = True
             self._live_gen = None

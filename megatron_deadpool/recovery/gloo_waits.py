@@ -1,0 +1,207 @@
+"""A survivor blocked in a gloo wait, point-to-point or collective, reaches the new plan
+at the abort, not at the gloo operation deadline (issue 38: a bf16 recovery took 21.7 s,
+15 of them in one "send operation to complete").
+
+The abort wakes a gloo wait only through its connection: the socket shutdown (abort.py)
+fails the pair, and gloo fails the operations queued on it. That covers the sockets the
+abort knows (the groups built inside ``communicator_sockets``) while their pair is intact;
+a wait whose connection the abort does not reach, or does not break, sits out the deadline:
+a group that was not recorded, a peer that neither receives nor closes, a collective whose
+dead member's socket the other members are not reading. Neither a timed wait nor polling
+can get out of it: a timed ``wait`` that expires closes the pair ("Application timeout
+caused pair closure"), and ``is_completed`` of a gloo send stays false until ``wait`` is
+called.
+
+So on a gloo world the main thread does not wait in gloo at all. Each CPU operation's work
+is wrapped (``AbortableWork``): ``isend``/``irecv`` (and through them ``send``/``recv`` and
+``batch_isend_irecv``), and the collectives in ``COLLECTIVES``, which run with
+``async_op=True`` underneath and are waited on here when the caller asked for a blocking
+call. A wrapped ``wait`` hands the real wait to the calling thread's waiter thread and
+sleeps on an event that the waiter sets when gloo returns, or that the abort sets
+(``abandon_all``, called by ``World.abort``). An abandoned wait raises a communication
+failure (classify.py: "communicator was aborted"), which the recovery boundary takes as the
+peer failure it is. A waiter still held in gloo is retired (it ends when its wait does, at
+the old deadline) and the next generation's waits get a fresh one.
+
+Cost on the happy path: one hand-off to a waiter thread per gloo wait (tens of
+microseconds). CUDA tensors (NCCL, whose abort wakes everything) are not wrapped.
+"""
+
+from __future__ import annotations
+
+import inspect
+import queue
+import threading
+from typing import Dict, Optional, Set
+
+ABANDONED = "gloo wait abandoned at the abort: communicator was aborted"
+WAITER = "deadpool-gloo-wait"
+# the blocking-capable collectives Megatron-LM and this package call on gloo groups
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base",
+               "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "reduce",
+               "all_to_all_single", "barrier")
+
+
+class _Box:
+    __slots__ = ("work", "done", "abandoned", "error", "waiter")
+
+    def __init__(self, work, waiter):
+        self.work, self.done, self.waiter = work, threading.Event(), waiter
+        self.abandoned, self.error = False, None
+
+
+class _Waiter:
+    """One thread that waits in gloo, in order, for the works one caller thread hands it."""
+
+    def __init__(self):
+        self.q: "queue.SimpleQueue[Optional[_Box]]" = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True, name=WAITER).start()
+
+    def _run(self) -> None:
+        while True:
+            box = self.q.get()
+            if box is None:
+                return
+            try:
+                box.work.wait()
+            except BaseException as exc:  # noqa: BLE001 - handed to the thread that waits
+                box.error = exc
+            box.done.set()
+
+
+_lock = threading.Lock()
+_waiters: Dict[int, _Waiter] = {}  # caller thread's ident -> its waiter
+_pending: Set[_Box] = set()
+_epoch = 0  # aborts so far: a work made before the last one is never waited on in gloo
+
+
+class AbortableWork:
+    """A gloo operation's work whose ``wait`` the abort can end."""
+
+    def __init__(self, work):
+        while isinstance(work, AbortableWork):  # wrapped twice: wait on the real one
+            work = work._work
+        self._work, self._box, self._epoch = work, None, _epoch
+
+    def wait(self, timeout=None) -> bool:
+        if threading.current_thread().name == WAITER:  # never queue behind oneself
+            return self._work.wait()
+        if self._box is None:
+            me = threading.get_ident()
+            with _lock:
+                if self._epoch != _epoch:  # issued before an abort, first waited after it
+                    raise RuntimeError(ABANDONED)
+                waiter = _waiters.get(me)
+                if waiter is None:
+                    waiter = _waiters[me] = _Waiter()
+                box = self._box = _Box(self._work, waiter)
+                _pending.add(box)
+                waiter.q.put(box)
+        box = self._box
+        box.done.wait()
+        with _lock:
+            _pending.discard(box)
+        if box.abandoned:
+            raise RuntimeError(ABANDONED)
+        if box.error is not None:
+            raise box.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._box is not None and self._box.done.is_set() and not self._box.abandoned
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def abandon_all() -> int:
+    """(any thread; the abort) End every gloo wait in progress with a communication
+    failure and retire the waiters that may be stuck in gloo. Returns how many waits."""
+    global _epoch
+    with _lock:
+        _epoch += 1
+        boxes = list(_pending)
+        _pending.clear()
+        stuck = {id(b.waiter): b.waiter for b in boxes}
+        for box in boxes:
+            box.abandoned = True
+            box.done.set()
+        for ident, waiter in list(_waiters.items()):
+            if id(waiter) in stuck:
+                waiter.q.put(None)  # it leaves once gloo lets go of it
+                del _waiters[ident]
+    return len(boxes)
+
+
+def install() -> None:
+    """Wrap ``torch.distributed``'s ``isend``/``irecv`` (under both names that
+    ``batch_isend_irecv`` and ``P2POp`` check them by) and ``COLLECTIVES`` so that a gloo
+    operation's wait is an ``AbortableWork``'s."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    for name in ("isend", "irecv") + COLLECTIVES:
+        orig = getattr(c10d, name, None)
+        if orig is None or getattr(orig, "_deadpool_abortable", False):
+            continue
+        if name not in ("isend", "irecv") and "async_op" not in inspect.signature(orig).parameters:
+            continue  # a torch whose collective cannot run asynchronously: left as it is
+        wrapped = _abortable_p2p(orig) if name in ("isend", "irecv") else _abortable(orig)
+        setattr(c10d, name, wrapped)
+        if getattr(dist, name, None) is orig:
+            setattr(dist, name, wrapped)
+
+
+def _mark(wrapper, orig):
+    wrapper._deadpool_abortable = True
+    wrapper.__wrapped__ = orig
+    wrapper.__name__ = orig.__name__
+    wrapper.__doc__ = orig.__doc__
+    return wrapper
+
+
+def _abortable_p2p(orig):
+    def p2p(tensor, *args, **kwargs):
+        work = orig(tensor, *args, **kwargs)
+        if work is None or tensor.device.type != "cpu" or isinstance(work, AbortableWork):
+            return work
+        return AbortableWork(work)
+
+    return _mark(p2p, orig)
+
+
+def _on_gloo(arguments: dict) -> bool:
+    """A CPU tensor goes to gloo; without a tensor (a barrier), the group's backend says."""
+    import torch
+    import torch.distributed as dist
+
+    for value in arguments.values():
+        if isinstance(value, (list, tuple)) and value:
+            value = value[0]
+        if isinstance(value, torch.Tensor):
+            return value.device.type == "cpu"
+    try:
+        return dist.get_backend(arguments.get("group")) == "gloo"
+    except (ValueError, RuntimeError):  # not a member of that group: torch's own answer
+        return False
+
+
+def _abortable(orig):
+    sig = inspect.signature(orig)
+
+    def collective(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        if not _on_gloo(bound.arguments):
+            return orig(*args, **kwargs)
+        blocking = not bound.arguments.get("async_op", False)
+        bound.arguments["async_op"] = True
+        work = orig(*bound.args, **bound.kwargs)
+        if work is None or type(work).__name__ == "_IllegalWork":  # not a member; coalescing
+            return None if blocking else work
+        work = AbortableWork(work)
+        if not blocking:
+            return work
+        work.wait()
+        return None
+
+    return _mark(collective, orig)

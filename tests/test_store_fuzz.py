@@ -1,0 +1,321 @@
+"""Nothing a forged byte can crash (issue 38): every key the coordinator and the ranks read
+from the job's store, written with random and adversarial records by a client without the
+job secret, is ignored (and counted), never acted on and never a crash.
+
+The fast tests drive the readers directly on an in-memory store; the slow one runs a job
+with a node killed while a fuzzer writes to its store, and the job must end bitwise."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from megatron_deadpool.membership import auth, records
+from megatron_deadpool.membership import store as st
+
+SECRET = "the-job-secret"
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _queue(store, clock):
+    return records.CountedQueue(store, st.k("events", "n"), lambda i: st.k("events", i), clock)
+
+
+def _write(store, i=None, value=b"x"):
+    i = store.add(st.k("events", "n"), 1) if i is None else i
+    store.set(st.k("events", i), value)
+    return i
+
+
+def test_a_hole_holds_the_reader_until_it_ages_then_is_one_skip():
+    store, clock = dist.HashStore(), Clock()
+    q = _queue(store, clock)
+    _write(store)
+    store.add(st.k("events", "n"), 3)       # counted, never written: indices 2..4
+    _write(store)                           # a genuine record after the hole: 5
+    got = q.read(0)
+    assert [(i, raw) for i, raw, _ in got] == [(1, b"x")]  # held at the young hole
+    clock.t = records.HOLE_GRACE_S + 0.1
+    got = q.read(1)
+    assert [(i, raw) for i, raw, _ in got] == [(4, None), (5, b"x")]
+    assert "2..4 counted but never written" in got[0][2]
+
+
+def test_a_writer_between_its_add_and_its_set_is_waited_for_not_skipped():
+    store, clock = dist.HashStore(), Clock()
+    q = _queue(store, clock)
+    i = store.add(st.k("events", "n"), 1)   # a genuine writer's add ...
+    assert q.read(0) == []
+    clock.t = 1.0                           # ... and its set, inside the grace
+    _write(store, i, b"late")
+    clock.t = 10.0
+    assert q.read(0) == [(1, b"late", "")]
+
+
+def test_a_jump_far_ahead_is_skipped_without_visiting_every_index():
+    class Counting:
+        def __init__(self, store):
+            self.store, self.checks = store, 0
+
+        def check(self, keys):
+            self.checks += 1
+            return self.store.check(keys)
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+    store, clock = Counting(dist.HashStore()), Clock()
+    q = _queue(store, clock)
+    store.add(st.k("events", "n"), 10 ** 9)
+    a, b = _write(store), _write(store)
+    assert q.read(0) == []
+    clock.t = records.HOLE_GRACE_S + 0.1
+    got = q.read(0)
+    assert [(i, raw) for i, raw, _ in got] == [(10 ** 9, None), (a, b"x"), (b, b"x")]
+    assert store.checks < 20
+
+
+def test_a_counter_moved_back_is_put_forward_again():
+    store, clock = dist.HashStore(), Clock()
+    q = _queue(store, clock)
+    for _ in range(5):
+        _write(store)
+    assert len(q.read(0)) == 5
+    store.add(st.k("events", "n"), -4)       # later writers would reuse indices 2..5
+    got = q.read(5)
+    assert got[0][0] == 5 and got[0][1] is None and "moved back" in got[0][2]
+    assert _write(store, value=b"new") == 6  # the next genuine record is past the cursor
+    assert q.read(5) == [(6, b"new", "")]
+
+
+def _forgeries(rng, genuine: bytes):
+    """Random and adversarial values: bytes of any length, JSON of the wrong shapes, deep
+    nesting, non-ASCII MACs, records sealed with a guessed secret, genuine records replayed."""
+    body = {"kind": "exit", "lid": 1, "code": -9, "i": rng.randrange(1, 50), "gen": 1,
+            "rank": 0, "node": 0, "op": "signal", "signal": "SIGKILL", "lids": [0]}
+    return rng.choice([
+        lambda: bytes(rng.randrange(256) for _ in range(rng.randrange(0, 300))),
+        lambda: os.urandom(rng.choice([0, 1, 7, 4096, 1 << 16])),
+        lambda: json.dumps(rng.choice([None, 1, "s", [], {}, {"body": 1, "mac": "x"},
+                                       {"body": {}, "mac": 5}, {"body": [], "mac": "é"},
+                                       {"body": body, "mac": "ß" * 64}])).encode(),
+        lambda: ("[" * 100_000 + "]" * 100_000).encode(),
+        lambda: ('{"body":' * 5000 + "1" + "}" * 5000).encode(),
+        lambda: auth.seal("guessed", body).encode(),
+        lambda: genuine,
+        lambda: b"\xff\xfe" + "mac".encode("utf-16"),
+    ])()
+
+
+def _readers(coord, cursors):
+    """Every read the coordinator and the ranks make of the store, as they make it (the
+    decider and an agent each keep their cursor)."""
+    def events():
+        for ev in coord.read_events(cursors["events"]):
+            cursors["events"] = ev["i"]
+
+    return [
+        events,
+        lambda: cursors.__setitem__("cmd", coord.read_commands(0, cursors["cmd"])[1]),
+        lambda: coord.current_gen(),
+        lambda: coord.is_failing(1),
+        lambda: coord.generation_done(coord.get_plan(0)),
+        lambda: coord.heartbeats([0, 1, 2, 3]),
+        lambda: coord.agent_heartbeat(0),
+        lambda: coord.shutdown_reason(),
+        lambda: coord.rank_records("report", 1, 2),
+        lambda: coord.rank_records("boundary", 1, 2),
+        lambda: coord.rank_record("report", 1, 0),
+    ]
+
+
+def test_random_records_on_every_key_read_are_ignored_never_a_crash(monkeypatch):
+    """2,000 forged records over the keys the readers read (events and commands through
+    their counters too: holes, jumps, moves back), each followed by every reader: none
+    raises, and none acts on a forged record."""
+    from types import SimpleNamespace
+
+    from megatron_deadpool.membership.plan import Plan
+
+    clock = Clock()
+    monkeypatch.setattr(records, "time", SimpleNamespace(monotonic=clock))
+    rng = random.Random(38)
+    store = dist.HashStore()
+    coord = st.Coordinator(store, SECRET)
+    coord.publish_plan(Plan(gen=0, world_size=2, rank_of={0: 0, 1: 1}, node_of_rank=(0, 1)))
+    coord.push_event("join", lid=0, nonce="a")
+    genuine = store.get(st.k("events", 1))
+    keys = [st.k("latest"), st.k("plan", 1), st.k("plan", 2), st.k("failing", 1),
+            st.k("shutdown"), st.k("report", 1, 0), st.k("report", 1, 1),
+            st.k("boundary", 1, 0), st.k("boundary", 1, 1), *[st.k("hb", x) for x in range(4)],
+            st.k("agent_hb", 0), st.k("admit", 0, "a")]
+    cursors = {"events": 0, "cmd": 0}
+    readers = _readers(coord, cursors)
+    for n in range(2000):
+        clock.t += 0.5  # holes age while the forger writes
+        which = rng.randrange(4)
+        if which == 0:   # a forged event or command through its counter
+            q = rng.choice([("events",), ("cmd", 0)])
+            i = store.add(st.k(*q, "n"), 1)
+            store.set(st.k(*q, i), _forgeries(rng, genuine))
+        elif which == 1:  # the counter alone: a hole, a jump or a move back
+            store.add(st.k(*rng.choice([("events",), ("cmd", 0)]), "n"),
+                      rng.choice([1, 3, 10 ** 6, -2]))
+        else:
+            store.set(rng.choice(keys), _forgeries(rng, genuine))
+        for read in readers:
+            read()
+    assert coord.current_gen() == 0 and not coord.is_failing(1)
+    assert coord.shutdown_reason() is None
+    assert coord.rank_records("report", 1, 2) is None
+    assert coord.read_commands(0, 0)[0] == []
+    assert cursors["events"] > 1000  # the reader got past every hole and jump
+
+
+def test_the_decider_ignores_a_flood_of_forgeries_in_bounded_memory():
+    """A forged event is counted and the last hundred are kept, each cut short."""
+    from megatron_deadpool.base.config import DeciderConfig
+    from megatron_deadpool.membership.decider import Decider, Proc
+
+    store = dist.HashStore()
+    procs = {r: Proc(lid=r, node=r, role="active", rank=r) for r in range(2)}
+    d = Decider(store=store, procs=procs, world_size=2, token=SECRET,
+                send_command=lambda node, cmd: None, config=DeciderConfig(grace_s=0.0),
+                log=lambda m: None)
+    d.publish_initial_plan()
+    for _ in range(300):
+        i = store.add(st.k("events", "n"), 1)
+        store.set(st.k("events", i), json.dumps({"body": {"kind": "exit" * 10_000}, "mac": "0"}))
+    d.step()
+    assert d.forged == 300 and len(d.rejected) == 100
+    assert all(len(r["claimed"]["kind"]) <= 40 for r in d.rejected)
+    assert d.gen == 0 and all(p.state != "dead" for p in d.procs.values())
+
+
+class Fuzzer(threading.Thread):
+    """A client of the job's store without the secret, writing a forged record every few
+    milliseconds to a key some reader reads: appended events and commands (through their
+    counters, with holes, jumps and moves back), plans, the generation pointer, failure
+    declarations, heartbeats, reports, boundaries, barriers and the shutdown flag."""
+
+    def __init__(self, host: str, port: int, lids: int, nodes: int, seed: int = 38):
+        super().__init__(daemon=True)
+        self.host, self.port, self.lids, self.nodes = host, port, lids, nodes
+        self.rng, self.stop, self.written, self.error = random.Random(seed), threading.Event(), 0, None
+
+    def _key(self, store) -> str:
+        rng = self.rng
+        g = rng.randrange(0, 4)
+        which = rng.randrange(9)
+        if which <= 1:
+            q = ("events",) if which == 0 else ("cmd", rng.randrange(self.nodes))
+            if rng.random() < 0.1:  # the counter alone: a hole, a jump or a move back
+                store.add(st.k(*q, "n"), rng.choice([1, 2, 1000, -1]))
+                return ""
+            return st.k(*q, store.add(st.k(*q, "n"), 1))
+        return rng.choice([
+            st.k("latest"), st.k("plan", g + 1), st.k("failing", g + 1), st.k("shutdown"),
+            st.k("hb", rng.randrange(self.lids + 2)), st.k("agent_hb", rng.randrange(self.nodes + 1)),
+            st.k("report", g + 1, rng.randrange(8)), st.k("boundary", g + 1, rng.randrange(8)),
+            st.k("admit", rng.randrange(self.lids), "0000"), st.k("arrived", g + 5)])
+
+    def run(self) -> None:
+        store = st.connect(self.host, self.port, 30.0)
+        genuine = store.get(st.k("plan", 0))
+        while not self.stop.is_set():
+            try:
+                key = self._key(store)
+                if key:
+                    store.set(key, _forgeries(self.rng, genuine))
+                self.written += 1
+            except Exception as exc:  # noqa: BLE001 - the job ended under the fuzzer
+                self.error = exc
+                return
+            self.stop.wait(0.005)
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_a_job_under_a_store_fuzzer_completes_bitwise(tmp_path, reference):
+    """While the job trains, loses node 1 (SIGKILLed from outside at iteration 5) and
+    recovers, a fuzzer writes thousands of forged records to the keys the coordinator and
+    the ranks read. The job ends bitwise with one recovery, and the forged events were
+    counted, not acted on."""
+    from conftest import REPO, assert_ok_and_bitwise, layout_flags
+    from megatron_deadpool.apps.peer_inject import kill_all, node_pids
+    from megatron_deadpool.launch import progress
+
+    flags = layout_flags(2, 2, 12)
+    summary = tmp_path / "run.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    p = subprocess.Popen(
+        [sys.executable, "-m", "megatron_deadpool.apps.cli", "launch", "--nodes", "4",
+         "--procs-per-node", "2", "--spare-nodes", "1", "--summary-json", str(summary),
+         "--results-dir", str(tmp_path / "run"), "--", *flags, "--deadpool"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, killed, fuzzer = [], [], None
+    deadline = time.monotonic() + 600
+    try:
+        for line in p.stdout:
+            out.append(line)
+            if fuzzer is None and "coordinator " in line:
+                host, _, port = line.split("coordinator ", 1)[1].strip().rpartition(":")
+                fuzzer = Fuzzer(host, int(port), lids=10, nodes=5)
+                fuzzer.start()
+            rec = progress.parse(line)
+            if not killed and rec is not None and rec["iteration"] >= 5:
+                killed = kill_all(node_pids([p.pid], "DEADPOOL_NODE", "1"))
+            assert time.monotonic() < deadline, "".join(out[-50:])
+        p.wait(timeout=60)
+    finally:
+        if fuzzer is not None:
+            fuzzer.stop.set()
+            fuzzer.join(10)
+        if p.poll() is None:
+            p.kill()
+    text = "".join(out)
+    assert fuzzer is not None and fuzzer.written > 500, (fuzzer and fuzzer.written, text[-3000:])
+    assert len(killed) == 2, (killed, text[-3000:])
+    s = json.loads(summary.read_text())
+    proc = subprocess.CompletedProcess(p.args, p.returncode, text, "")
+    assert_ok_and_bitwise(proc, s, reference(flags))
+    (rec,) = s["recoveries"]
+    assert rec["failed_ranks"] == [2, 3], rec
+    assert s["forged_events_ignored"] > 50, s["forged_events_ignored"]
+
+
+def test_records_the_decider_owns_are_put_back_after_a_forger_overwrote_them():
+    """A plan, the generation pointer, a failure declaration and the shutdown flag have one
+    writer and many pollers: an overwrite would hide them from every later look. The
+    writer puts them back; what it no longer owns (a superseded plan) it leaves alone."""
+    from megatron_deadpool.membership.plan import Plan
+
+    store = dist.HashStore()
+    coord = st.Coordinator(store, SECRET)
+    reader = st.Coordinator(store, SECRET)
+    for g in (0, 1):
+        coord.publish_plan(Plan(gen=g, world_size=2, rank_of={0: 0, 1: 1}, node_of_rank=(0, 1)))
+    coord.declare_failing(1)
+    coord.set_shutdown("done")
+    for key in (st.k("latest"), st.k("plan", 1), st.k("failing", 1), st.k("shutdown"),
+                st.k("plan", 0)):
+        store.set(key, b"\x00forged")
+    assert reader.current_gen() == 0 and reader.shutdown_reason() is None
+    assert sorted(coord.owned.heal()) == sorted(
+        [st.k("latest"), st.k("plan", 1), st.k("failing", 1), st.k("shutdown")])
+    assert reader.current_gen() == 1 and reader.get_plan(1).gen == 1
+    assert reader.is_failing(1) and reader.shutdown_reason() == "done"
+    assert coord.owned.heal() == []
