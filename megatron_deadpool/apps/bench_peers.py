@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -231,6 +232,8 @@ def run(args, extra: List[str] = ()) -> dict:
     """``extra``: trainer flags after ``--``, appended to every system's job."""
     work = os.path.abspath(args.work)
     os.makedirs(work, exist_ok=True)
+    # SIGTERM unwinds like Ctrl-C, so that each run's cleanup kills what it started
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     tree = args.tree or unpack_tree(args.archive, work)
     systems = [s for s in args.systems.split(",") if s]
     bad = [s for s in systems if s not in SYSTEMS]

@@ -156,17 +156,20 @@ def run_system(system: str, job: PeerJob, work: str, injector: Optional[Injector
     writer = RunLogWriter(os.path.join(work, "run.log"), injector=injector, echo=echo)
     deadline = time.monotonic() + job.timeout_s
     outcome, attempt = "failed", 0
-    while attempt <= job.max_relaunches:
-        attempt += 1
-        writer.mark("start", attempt=attempt)
-        cmds = node_commands(system, job, argv, free_port())
-        procs = _start(cmds, env, writer, roots)
-        outcome = _wait(procs, system == "relaunch", deadline)
-        kill_all(tagged(run_tag))  # leftovers, orphans included: a whole-job stop
-        for p in procs:
-            p.wait()
-        if outcome != "failed" or system != "relaunch":
-            break
+    try:
+        while attempt <= job.max_relaunches:
+            attempt += 1
+            writer.mark("start", attempt=attempt)
+            cmds = node_commands(system, job, argv, free_port())
+            procs = _start(cmds, env, writer, roots)
+            outcome = _wait(procs, system == "relaunch", deadline)
+            kill_all(tagged(run_tag))  # leftovers, orphans included: a whole-job stop
+            for p in procs:
+                p.wait()
+            if outcome != "failed" or system != "relaunch":
+                break
+    finally:  # the benchmark interrupted (Ctrl-C, SIGTERM): no run outlives it
+        kill_all(tagged(run_tag))
     writer.mark("exit", outcome=outcome, attempts=attempt)
     writer.close()
     return {"outcome": outcome, "attempts": attempt, "log": os.path.join(work, "run.log"),
