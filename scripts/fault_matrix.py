@@ -20,20 +20,13 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from conftest import launch  # noqa: E402
 from scenarios import BITWISE, LAYOUTS, SCENARIOS, judge, trainer_flags  # noqa: E402
+from megatron_deadpool.apps.soak import percentile  # noqa: E402
 
 # Cells that wait by design (issue 38's exceptions to the 3 s tail goal): a hang is found
 # by the heartbeat timeout, a local restart pays a cold start, a slow spare build is slow on
 # purpose, a SIGSTOP in a save waits out the save's section timeout.
 WAITS_BY_DESIGN = {"hang_sigstop", "sigstop_in_save", "local_restart", "slow_spare_build"}
 TAIL_GOAL_S = 3.0
-
-
-def percentile(xs, q: float) -> float:
-    """The q-quantile (0..1) of ``xs``, linear between the closest ranks."""
-    xs = sorted(xs)
-    i = (len(xs) - 1) * q
-    lo, hi = int(i), min(int(i) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
 
 
 def tail_lines(scenarios, layouts, totals) -> list:

@@ -169,6 +169,8 @@ def test_summary_ratio_young_and_table():
     assert s["relaunch"]["lost_ratio_to_deadpool"] == pytest.approx(15.0)
     assert s["relaunch"]["young_interval"]["s"] == pytest.approx(120.0)
     assert s["relaunch"]["young_interval"]["iterations"] == 240
+    # modeled: the restart (45 s lost less 2 redone iterations of 0.5 s) + 120 of 0.5 s
+    assert s["relaunch"]["young_interval"]["lost_s_modeled"] == pytest.approx(45 - 1 + 60)
     assert "young_interval" not in s["deadpool"]  # no saves to size
     for r in records:
         r["free_span_s"] = 50.0

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import deadpool
-from megatron_deadpool.apps.soak import schedule
+from megatron_deadpool.apps.soak import recovery_percentiles, schedule
 
 
 def test_schedule_is_seeded_and_spaced():
@@ -14,6 +14,14 @@ def test_schedule_is_seeded_and_spaced():
     assert a == b and len(a) == 25 and schedule(25, 8, 10, 8) != a
     iters = [int(s.split("@iter=")[1].split(",")[0]) for s in a]
     assert all(8 <= y - x <= 12 for x, y in zip(iters, iters[1:]))
+
+
+def test_recovery_percentiles_interpolate_between_ranks():
+    """The tail table's numbers (docs/reliability.md): p50 and p95 between the closest
+    ranks, the max, and nothing from no recoveries."""
+    assert recovery_percentiles([]) == {"n": 0}
+    got = recovery_percentiles([4.0, 1.0, 3.0, 2.0, None])
+    assert got == {"n": 4, "p50": 2.5, "p95": 3.85, "max": 4.0}
 
 
 def _soak(tmp_path, failures, seed):

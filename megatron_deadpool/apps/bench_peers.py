@@ -184,8 +184,9 @@ def summarize(records: List[dict], systems: List[str], mtbf_s: Optional[float]
         mtbf = mtbf_s if mtbf_s is not None else s["free_span_s"]["median"]
         if save is not None and save > 0 and step and mtbf:
             young = peer_log.young_interval_s(save, mtbf)
-            s["young_interval"] = {"s": young, "iterations": max(1, round(young / step)),
-                                   "mtbf_s": mtbf}
+            iters = max(1, round(young / step))
+            s["young_interval"] = {"s": young, "iterations": iters, "mtbf_s": mtbf,
+                                   "lost_s_modeled": _lost_at(s, iters, step)}
         out[system] = s
     ref = (out.get("deadpool") or {}).get("lost_s", {}).get("median")
     for system, s in out.items():
@@ -193,6 +194,15 @@ def summarize(records: List[dict], systems: List[str], mtbf_s: Optional[float]
         s["lost_ratio_to_deadpool"] = (lost / ref if ref and lost is not None and ref > 0
                                        else None)
     return out
+
+
+def _lost_at(s: dict, interval: int, step: float) -> Optional[float]:
+    """Modeled, not run: the measured restart (lost time less the redone iterations) plus
+    half an interval of redone iterations, a failure's expected redo at that interval."""
+    lost, redone = s["lost_s"]["median"], s["redone"]["median"]
+    if lost is None or redone is None:
+        return None
+    return lost - redone * step + interval / 2 * step
 
 
 def _cell(s: dict, digits: int = 2) -> str:
@@ -224,7 +234,8 @@ def markdown(result: dict) -> str:
                                                if cfg["mtbf_s"] is None else
                                                f"{cfg['mtbf_s']:.0f} s") + ": "
             + (", ".join(f"{k} {v['s']:.1f} s ≈ {v['iterations']} iterations "
-                         f"(MTBF {v['mtbf_s']:.0f} s)"
+                         f"(MTBF {v['mtbf_s']:.0f} s; s lost there, modeled: "
+                         f"{_s(v['lost_s_modeled'])})"
                          for k, v in young.items()) or "-") + "\n")
 
 

@@ -39,6 +39,23 @@ def schedule(failures: int, seed: int, gap: int, world_size: int) -> List[str]:
     return specs
 
 
+def percentile(xs, q: float) -> float:
+    """The q-quantile (0..1) of ``xs``, linear between the closest ranks."""
+    xs = sorted(xs)
+    i = (len(xs) - 1) * q
+    lo, hi = int(i), min(int(i) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+
+
+def recovery_percentiles(xs) -> dict:
+    """{n, p50, p95, max} of recovery times (docs/reliability.md's tail table)."""
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return {"n": 0}
+    return {"n": len(xs), "p50": round(percentile(xs, 0.5), 3),
+            "p95": round(percentile(xs, 0.95), 3), "max": round(max(xs), 3)}
+
+
 def run_soak(failures: int, seed: int, gap: int, summary_json=None, quiet=True) -> dict:
     """``quiet``: the terminal shows one line per iteration and the launcher's fault and
     recovery lines (False: every worker line); the log file gets everything."""
@@ -78,6 +95,7 @@ def run_soak(failures: int, seed: int, gap: int, summary_json=None, quiet=True) 
         "seed": seed, "failures_requested": failures, "schedule": specs,
         "failures_injected": len(faulted.get("faults", [])),
         "recoveries": recs, "table": table,
+        "recovery_s": recovery_percentiles(r["recovery_s"] for r in table),
         "local_restarts": faulted.get("local_restarts", []),
         "waited_for_spare_s": faulted.get("waited_for_spare_s", 0.0),
         "final_state_sha256": faulted["final_state_sha256"],
@@ -92,7 +110,8 @@ def run_soak(failures: int, seed: int, gap: int, summary_json=None, quiet=True) 
         print(f"{i:>3} {row['kind']:<5} {row['rank']:>4} {row['phase']:<17} "
               f"{row['iteration']:>5} {row['recovery_s']:>10.3f} "
               f"{'local restart' if row['local'] else 'spare'}")
-    print(json.dumps({k: out[k] for k in ("failures_injected", "bitwise_equal")}), flush=True)
+    print(json.dumps({k: out[k] for k in ("failures_injected", "bitwise_equal", "recovery_s")}),
+          flush=True)
     print(f"[soak] recoveries {len(recs)}; bitwise_equal {out['bitwise_equal']}; full worker "
           f"output: {log}", flush=True)
     if summary_json:
