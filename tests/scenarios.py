@@ -66,8 +66,8 @@ SCENARIOS = [
     Scenario("cascade_in_rebuild_groups",
              ("kill:node=1@iter=6", "kill:rank=6@iter=6,phase=rebuild_groups"), spares=2,
              what="a second kill while the first recovery rebuilds the model-parallel groups "
-                  "(the others wait in group creation for a dead member: bounded, then the "
-                  "next plan)"),
+                  "(the others wait in group creation for a dead member; the abort ends "
+                  "that wait)"),
     Scenario("cascade_in_restore",
              ("kill:node=1@iter=6", "kill:rank=6@iter=6,phase=restore_state"), spares=2,
              what="a second kill during the first recovery's restore"),

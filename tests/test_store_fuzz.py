@@ -211,6 +211,10 @@ class Fuzzer(threading.Thread):
     counters, with holes, jumps and moves back), plans, the generation pointer, failure
     declarations, heartbeats, reports, boundaries, barriers and the shutdown flag."""
 
+    # Not here: counters moved back. A writer then lands on a slot the reader has passed
+    # (a skipped hole's) and its record is lost (docs/threat-model.md); the reader's side of
+    # it is in test_random_records_on_every_key_read_are_ignored_never_a_crash.
+
     def __init__(self, host: str, port: int, lids: int, nodes: int, seed: int = 38):
         super().__init__(daemon=True)
         self.host, self.port, self.lids, self.nodes = host, port, lids, nodes
@@ -223,7 +227,7 @@ class Fuzzer(threading.Thread):
         if which <= 1:
             q = ("events",) if which == 0 else ("cmd", rng.randrange(self.nodes))
             if rng.random() < 0.1:  # the counter alone: a hole, a jump or a move back
-                store.add(st.k(*q, "n"), rng.choice([1, 2, 1000, -1]))
+                store.add(st.k(*q, "n"), rng.choice([1, 2, 1000]))
                 return ""
             return st.k(*q, store.add(st.k(*q, "n"), 1))
         return rng.choice([
@@ -319,3 +323,17 @@ def test_records_the_decider_owns_are_put_back_after_a_forger_overwrote_them():
     assert reader.current_gen() == 1 and reader.get_plan(1).gen == 1
     assert reader.is_failing(1) and reader.shutdown_reason() == "done"
     assert coord.owned.heal() == []
+
+
+def test_holes_between_records_age_together_not_one_after_another():
+    """A hole every few records (a forger counting without writing) would hold the reader
+    HOLE_GRACE_S per hole if each were first timed when the reader reached it."""
+    store, clock = dist.HashStore(), Clock()
+    q = _queue(store, clock)
+    for _ in range(5):
+        store.add(st.k("events", "n"), 1)   # a hole ...
+        _write(store)                        # ... then a genuine record
+    assert q.read(0) == []
+    clock.t = records.HOLE_GRACE_S + 0.1
+    got = q.read(0)
+    assert [raw for _, raw, _ in got].count(b"x") == 5 and got[-1][0] == 10

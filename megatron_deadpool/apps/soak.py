@@ -57,8 +57,7 @@ def recovery_percentiles(xs) -> dict:
 
 
 def run_soak(failures: int, seed: int, gap: int, summary_json=None, quiet=True) -> dict:
-    """``quiet``: the terminal shows one line per iteration and the launcher's fault and
-    recovery lines (False: every worker line); the log file gets everything."""
+    """``quiet``: the terminal shows iterations, faults and recoveries, not every line."""
     world = NODES * PROCS_PER_NODE
     specs = schedule(failures, seed, gap, world)
     iters = int(specs[-1].split("@iter=")[1].split(",")[0]) + gap if specs else gap
@@ -94,8 +93,8 @@ def run_soak(failures: int, seed: int, gap: int, summary_json=None, quiet=True) 
     out = {
         "seed": seed, "failures_requested": failures, "schedule": specs,
         "failures_injected": len(faulted.get("faults", [])),
-        "recoveries": recs, "table": table,
-        "recovery_s": recovery_percentiles(r["recovery_s"] for r in table),
+        "recoveries": recs, "table": table, "recovery_s": recovery_percentiles(
+            r["recovery_s"] for r in table),
         "local_restarts": faulted.get("local_restarts", []),
         "waited_for_spare_s": faulted.get("waited_for_spare_s", 0.0),
         "final_state_sha256": faulted["final_state_sha256"],
@@ -110,8 +109,7 @@ def run_soak(failures: int, seed: int, gap: int, summary_json=None, quiet=True) 
         print(f"{i:>3} {row['kind']:<5} {row['rank']:>4} {row['phase']:<17} "
               f"{row['iteration']:>5} {row['recovery_s']:>10.3f} "
               f"{'local restart' if row['local'] else 'spare'}")
-    print(json.dumps({k: out[k] for k in ("failures_injected", "bitwise_equal", "recovery_s")}),
-          flush=True)
+    print(json.dumps({k: out[k] for k in ("failures_injected", "bitwise_equal", "recovery_s")}))
     print(f"[soak] recoveries {len(recs)}; bitwise_equal {out['bitwise_equal']}; full worker "
           f"output: {log}", flush=True)
     if summary_json:

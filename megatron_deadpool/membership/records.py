@@ -91,9 +91,11 @@ class CountedQueue:
         end, j = i - 1, i
         while j <= n and not self.raw.check([self.key_of(j)]):
             if now - self._hole_since.setdefault(j, now) < HOLE_GRACE_S:
-                while j < n and not self.raw.check([self.key_of(j + 1)]):
-                    j += 1  # time the rest of the stretch with it: it ages at once
-                    self._hole_since.setdefault(j, now)
+                # time every hole ahead now, so that holes age together, not one by one
+                # behind each other (a flood of them would keep the reader behind for ever)
+                for ahead in range(j + 1, min(n, j + FORWARD_SCAN) + 1):
+                    if ahead not in self._hole_since and not self.raw.check([self.key_of(ahead)]):
+                        self._hole_since[ahead] = now
                 break
             end, j = j, j + 1
         return end
@@ -129,3 +131,18 @@ def peek(raw: Optional[bytes]) -> dict:
         return body if isinstance(body, dict) else {}
     except (ValueError, AttributeError, RecursionError):  # a forged record: nothing claimed
         return {}
+
+
+def append(raw, counter_key: str, key_of: Callable[[int], str],
+           value_of: Callable[[int], str], tries: int = 64) -> int:
+    """Write a counted queue's next record without overwriting one: the index comes from
+    the counter, and the record lands only in an empty slot (``compare_set``), so a counter
+    moved back makes the writer take the next index, never write over a genuine record.
+    Returns the index."""
+    for _ in range(tries):
+        i = raw.add(counter_key, 1)
+        value = value_of(i)
+        if raw.compare_set(key_of(i), "", value) == value.encode():
+            return i
+    raise RuntimeError(f"{counter_key}: no free slot in {tries} tries (a forger moves the "
+                       "counter back)")

@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ..base.errors import TokenError
 from . import auth
 from .plan import Plan
+from . import records
 from .records import CountedQueue, OwnedSlots, peek
 
 ROOT = "dp/"
@@ -95,9 +96,8 @@ class Coordinator:
 
     # -------------------------------------------------------------- events
     def push_event(self, kind: str, **fields) -> None:
-        i = self.raw.add(k("events", "n"), 1)
-        self.raw.set(k("events", i), auth.seal(self.secret, {"i": i, "kind": kind,
-                                                             "t": time.time(), **fields}))
+        records.append(self.raw, k("events", "n"), lambda i: k("events", i), lambda i: auth.seal(
+            self.secret, {"i": i, "kind": kind, "t": time.time(), **fields}))
 
     def read_events(self, start: int) -> List[dict]:
         """Events with index > start (1-based), each with its index ``i`` (the reader's next
@@ -271,8 +271,8 @@ class Coordinator:
 
     # -------------------------------------------------------------- agent commands
     def push_command(self, node: int, cmd: dict) -> None:
-        i = self.raw.add(k("cmd", node, "n"), 1)
-        self.raw.set(k("cmd", node, i), auth.seal(self.secret, {**cmd, "node": node, "i": i}))
+        records.append(self.raw, k("cmd", node, "n"), lambda i: k("cmd", node, i),
+                       lambda i: auth.seal(self.secret, {**cmd, "node": node, "i": i}))
 
     def read_commands(self, node: int, start: int) -> Tuple[List[dict], int, int]:
         """(verified commands after ``start``, new cursor, how many were rejected: records
