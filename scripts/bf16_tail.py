@@ -23,16 +23,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
 
 from megatron_deadpool.apps.bench_peers import unpack_tree  # noqa: E402
+from test_megatron_lm_train import FLAGS as MLM_FLAGS  # noqa: E402
 
-FLAGS = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-         "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
-         "--global-batch-size", "8", "--train-iters", "12", "--lr", "1e-3",
-         "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--mock-data",
-         "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-         "--use-distributed-optimizer", "--bf16", "--deadpool"]
+FLAGS = MLM_FLAGS + ["--bf16", "--deadpool"]  # the CI tests' pretrain_gpt.py job, in bf16
 KILL = "kill:node=1@iter=6"
 
 
