@@ -72,6 +72,46 @@ def launch(tmp_path, flags, nodes=4, ppn=2, spares=0, inject=(), extra_launch=()
     return proc, data
 
 
+def kill_node_from_outside(tmp_path, flags, node=1, at_iter=5, on_line=None, timeout=600):
+    """A real node loss, imitated with no fault driver and no fault point: launch 4 nodes x
+    2 + 1 spare node, and once iteration ``at_iter`` is reported SIGKILL every process of
+    ``node`` from outside the job. ``on_line(line)`` sees each output line first.
+    Returns (CompletedProcess with the whole output, summary, the pids killed)."""
+    import time
+
+    from megatron_deadpool.apps.peer_inject import kill_all, node_pids
+    from megatron_deadpool.launch import progress
+
+    summary = tmp_path / "run.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    p = subprocess.Popen(
+        [sys.executable, "-m", "megatron_deadpool.apps.cli", "launch", "--nodes", "4",
+         "--procs-per-node", "2", "--spare-nodes", "1", "--summary-json", str(summary),
+         "--results-dir", str(tmp_path / "run"), "--", *flags, "--deadpool"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, killed = [], []
+    deadline = time.monotonic() + timeout
+    try:
+        for line in p.stdout:
+            out.append(line)
+            if on_line is not None:
+                on_line(line)
+            rec = progress.parse(line)
+            if not killed and rec is not None and rec["iteration"] >= at_iter:
+                killed = kill_all(node_pids([p.pid], "DEADPOOL_NODE", str(node)))
+            assert time.monotonic() < deadline, "".join(out[-50:])
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    # a failure's cause: the first errors the ranks printed, then the end of the output
+    why = [ln for ln in out if "Error" in ln or "Traceback" in ln][:12] + out[-20:]
+    assert len(killed) == 2, (killed, why)  # the node's two workers
+    s = json.loads(summary.read_text()) if summary.exists() else None
+    assert s is not None, why
+    return subprocess.CompletedProcess(p.args, p.returncode, "".join(out), ""), s, killed
+
+
 _REFERENCE = {}
 
 

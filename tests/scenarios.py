@@ -52,7 +52,7 @@ SCENARIOS = [
     Scenario("sigterm", ("term:rank=3@iter=6",), recoveries=1, what="SIGTERM a rank"),
     Scenario("bf16_kill", ("kill:node=1@iter=6",), recoveries=1, trajectory=("--bf16",),
              what="SIGKILL a node in a bf16 run (bf16 params, fp32 main params)"),
-    Scenario("segfault", ("segv:rank=3@iter=6",), recoveries=1, ci=True,
+    Scenario("segfault", ("segv:rank=3@iter=6",), recoveries=1,
              what="SIGSEGV a rank"),
     Scenario("two_nodes_k2", ("kill:node=1@iter=6", "kill:node=2@iter=6"), spares=2,
              flags=("--deadpool-replicas", "2"),

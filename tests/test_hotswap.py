@@ -47,7 +47,6 @@ def test_rank_hung_by_sigstop_is_fenced(tmp_path, reference):
     assert rec["failed_ranks"] == [3] and rec["phases_s"]["detect"] >= 2.0
 
 
-@pytest.mark.ci
 def test_two_successive_failures_with_two_spare_nodes(tmp_path, reference):
     p, s = launch(tmp_path, FLAGS + ["--deadpool"], spares=2,
                   inject=["kill:node=1@iter=4", "kill:node=3@iter=9"])
@@ -102,41 +101,15 @@ def test_rank_killed_during_mirror_exchange(tmp_path, reference):
     assert rec["failed_ranks"] == [2] and rec["restored_iter"] == 4
 
 
-@pytest.mark.ci
 def test_a_node_killed_from_outside_is_one_recovery(tmp_path, reference):
     """A real node loss, imitated with no fault driver and no fault point: once iteration 5
     is reported, every process of node 1 is SIGKILLed from outside the job, one after the
     other as a test can (issue 38: injected and real failures take the same detection
-    path, so both give one recovery)."""
-    import os
-    import subprocess
-    import sys
-    import time
+    path, so both give one recovery). CI runs the same kill under a store fuzzer
+    (test_store_fuzz.py)."""
+    from conftest import kill_node_from_outside
 
-    from conftest import REPO
-    from megatron_deadpool.apps.peer_inject import kill_all, node_pids
-    from megatron_deadpool.launch import progress
-
-    summary = tmp_path / "run.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    p = subprocess.Popen(
-        [sys.executable, "-m", "megatron_deadpool.apps.cli", "launch", "--nodes", "4",
-         "--procs-per-node", "2", "--spare-nodes", "1", "--summary-json", str(summary),
-         "--results-dir", str(tmp_path / "run"), "--", *FLAGS, "--deadpool"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out, killed = [], []
-    deadline = time.monotonic() + 600
-    for line in p.stdout:
-        out.append(line)
-        rec = progress.parse(line)
-        if not killed and rec is not None and rec["iteration"] >= 5:
-            victims = node_pids([p.pid], "DEADPOOL_NODE", "1")
-            killed = kill_all(victims)
-        assert time.monotonic() < deadline, "".join(out[-50:])
-    p.wait(timeout=60)
-    assert len(killed) == 2, (killed, "".join(out[-50:]))  # node 1's two workers
-    s = json.loads(summary.read_text())
-    proc = subprocess.CompletedProcess(p.args, p.returncode, "".join(out), "")
+    proc, s, _ = kill_node_from_outside(tmp_path, FLAGS)
     _check_ok(proc, s, reference(FLAGS))
     (rec,) = s["recoveries"]  # one node, one recovery
     assert rec["failed_ranks"] == [2, 3], rec

@@ -27,7 +27,6 @@ def _one_drain(s, node, ranks):
     return d
 
 
-@pytest.mark.ci
 def test_an_injected_drain_redoes_nothing(tmp_path, reference):
     p, s = launch(tmp_path, FLAGS + ["--deadpool"], spares=1, inject=["drain:node=2@iter=6"])
     assert_ok_and_bitwise(p, s, reference(FLAGS))

@@ -132,10 +132,14 @@ class AgentClock:
         self.timeout_s = timeout_s
         self._grew: Dict[int, Tuple[int, float]] = {}  # node -> (counter, when it grew)
 
-    def observe(self, node: int, counter: int, now: float) -> Optional[float]:
-        """Take ``node``'s counter; when the node is lost, since when (else None)."""
+    def observe(self, node: int, counter: Optional[int], now: float) -> Optional[float]:
+        """Take ``node``'s counter (None: none that verifies, e.g. one overwritten without
+        the secret, which is no sign of life); when the node is lost, since when (else
+        None). A node never seen alive is not judged here (it is still starting)."""
         last = self._grew.get(node)
-        if last is None or counter > last[0]:
+        if last is None and counter is None:
+            return None
+        if last is None or (counter is not None and counter > last[0]):
             self._grew[node] = (counter, now)
             return None
         return last[1] if now - last[1] > self.timeout_s else None
@@ -160,8 +164,7 @@ def scan(coord, procs: Dict[int, Proc], agents: "AgentClock", now: float, cfg, g
         if hb is not None and not observe(p, hb, now) and p.hb_rejected == 1:
             log(f"ignored a replayed (older) heartbeat of process {p.lid}")
     for node in sorted({p.node for p in procs.values()}):
-        val = coord.agent_heartbeat(node)
-        since = None if val is None else agents.observe(node, val, now)
+        since = agents.observe(node, coord.agent_heartbeat(node), now)
         for p in procs.values() if since is not None else ():
             if p.node == node and p.state in (ProcState.ALIVE, ProcState.STARTING):
                 out.append((p, f"node {node} lost (agent heartbeat stale for "

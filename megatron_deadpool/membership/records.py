@@ -12,9 +12,10 @@ i. Anyone who can reach the store can also move the counter without the secret:
   ``get``) blocked the reader up to the store's timeout and then raised, which ended the
   decider; now a hole younger than ``HOLE_GRACE_S`` (a genuine writer between its ``add``
   and its ``set``) holds the reader back, an older one is skipped as forged;
-- count far ahead (a **jump**): the skipped stretch is found without visiting every
-  index: forward when it is short, else back from the counter's top, where the genuine
-  writers that came after the jump wrote;
+- count far ahead (a **jump**): the run of missing indices is timed at once and skipped
+  once it has aged, as one entry. It is found forward, index by index, so a genuine record
+  just after it is never skipped with it; a run longer than ``JUMP_SCAN`` is ended from the
+  counter's top, where the genuine writers that came after the jump wrote;
 - count back: later genuine writers would reuse indices the reader has passed, so the
   reader moves the counter forward again at once (a record written in between, over an old
   one, is lost: the heartbeats still see what it said of a dead process).
@@ -36,7 +37,9 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 HOLE_GRACE_S = 2.0
-FORWARD_SCAN = 256   # a skipped stretch longer than this is found from the counter's top
+FORWARD_SCAN = 256   # indices after a run of missing ones timed with it
+JUMP_SCAN = 4096     # a run of missing indices longer than this is ended from the counter's top
+JUMP_RUN = 64        # ... at the first run this long found down from there
 
 Entry = Tuple[int, Optional[bytes], str]  # (index, record or None for a skip, why skipped)
 
@@ -79,26 +82,55 @@ class CountedQueue:
     def _aged_stretch(self, i: int, n: int) -> int:
         """The last index of the stretch of unwritten indices from ``i`` on that have all
         been missing for ``HOLE_GRACE_S`` (``i - 1``: none has). Every missing index seen is
-        timed, so a stretch of forged ones ages at once."""
-        now = self.clock()
-        if n - i > FORWARD_SCAN:  # a jump: the genuine records since it sit at the top
-            if now - self._hole_since.setdefault(i, now) < HOLE_GRACE_S:
-                return i - 1
-            j = n
-            while j > i and self.raw.check([self.key_of(j)]):
-                j -= 1
-            return j
+        timed at once, so a stretch of forged ones (a jump's) ages together, and so do the
+        holes after it, not one after another."""
+        now, limit = self.clock(), min(n, i + JUMP_SCAN - 1)
         end, j = i - 1, i
-        while j <= n and not self.raw.check([self.key_of(j)]):
+        while j <= limit and not self.raw.check([self.key_of(j)]):
             if now - self._hole_since.setdefault(j, now) < HOLE_GRACE_S:
-                # time every hole ahead now, so that holes age together, not one by one
-                # behind each other (a flood of them would keep the reader behind for ever)
-                for ahead in range(j + 1, min(n, j + FORWARD_SCAN) + 1):
-                    if ahead not in self._hole_since and not self.raw.check([self.key_of(ahead)]):
-                        self._hole_since[ahead] = now
-                break
+                self._time_ahead(j + 1, n, now)
+                return end
             end, j = j, j + 1
+        if end == limit < n:  # a jump longer than the scan
+            return self._jump_from_top(limit, n, now)
         return end
+
+    def _time_ahead(self, j: int, n: int, now: float) -> None:
+        """Time every missing index from ``j`` on, as far as a jump's scan reaches, and the
+        top of a longer jump."""
+        reach = min(n, j + JUMP_SCAN + FORWARD_SCAN)
+        for ahead in range(j, reach + 1):
+            if ahead not in self._hole_since and not self.raw.check([self.key_of(ahead)]):
+                self._hole_since[ahead] = now
+        if reach < n:  # a longer jump: its top, and the holes after it
+            top = self._jump_top(reach, n)
+            for ahead in range(top, n + 1):
+                if ahead not in self._hole_since and not self.raw.check([self.key_of(ahead)]):
+                    self._hole_since[ahead] = now
+
+    def _jump_top(self, low: int, n: int) -> int:
+        """The last index of the run of missing indices that reaches ``low`` from below,
+        found from the counter's top, where the genuine writers after the jump wrote: the
+        first run of JUMP_RUN missing indices down from there (a forger's single holes
+        are not one), or the run that reaches ``low``."""
+        j, run, top = n, 0, low
+        while j > low and run < JUMP_RUN:
+            if self.raw.check([self.key_of(j)]):
+                run, top = 0, low
+            else:
+                run, top = run + 1, j if run == 0 else top
+            j -= 1
+        return top
+
+    def _jump_from_top(self, limit: int, n: int, now: float) -> int:
+        """The end of a jump longer than JUMP_SCAN (its first JUMP_SCAN indices missing
+        and aged, up to ``limit``), once its top has aged too (a young one may be a genuine
+        writer between its add and its set). A genuine record between two jumps longer
+        than JUMP_RUN is skipped with them (docs/threat-model.md)."""
+        top = self._jump_top(limit, n)
+        if now - self._hole_since.setdefault(top, now) < HOLE_GRACE_S:
+            return limit
+        return top
 
 
 class OwnedSlots:
