@@ -4,6 +4,7 @@ recovery must drop them. Pure: a stand-in training module with Megatron's signat
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import torch
@@ -62,9 +63,14 @@ class _Rerun:  # Megatron's RerunDataIterator: state in instance attributes
         return next(self.iterable)
 
 
-def _module():
+def _module(at=None):
+    """Megatron's build as far as the tests need it: the provider makes the datasets, the
+    loaders start at the consumed samples (``at[0]``)."""
+    at = [0] if at is None else at
+
     def build(provider):
-        return _Rerun(iter(provider("train"))), _Rerun(iter(provider("valid"))), None
+        return (_Rerun(iter(provider("train")[at[0]:])), _Rerun(iter(provider("valid")[at[0]:])),
+                None)
 
     return SimpleNamespace(build_train_valid_test_data_iterators=build)
 
@@ -75,12 +81,12 @@ def test_rebuilt_iterators_reach_the_ones_pretrain_keeps():
     run before)."""
     from megatron_deadpool.adapters.iterators import PretrainIterators
 
-    mod = _module()
+    start = [0]
+    mod = _module(start)
     its = PretrainIterators()
     its.wrap(mod)
     its.wrap(mod)
-    start = [0]
-    provider = lambda split: [f"{split}{i}" for i in range(start[0], start[0] + 4)]  # noqa
+    provider = lambda split: [f"{split}{i}" for i in range(4)]  # noqa
     kept_train, kept_valid, _ = mod.build_train_valid_test_data_iterators(provider)
     assert next(kept_valid) == "valid0"  # the failure struck after one eval batch
     start[0] = 2  # the restored samples
@@ -108,6 +114,39 @@ def test_rebuilt_iterators_per_model_chunk():
     assert [t is k[0] for t, k in zip(train, kept)] == [True, True]
     assert [next(t) for t in train] == ["train0.0", "train1.0"]
     assert its.valid() == valid and [next(v) for v in valid] == ["valid0.0", "valid1.0"]
+
+
+def test_a_rebuild_makes_new_loaders_on_the_datasets_already_built():
+    """The datasets are built once per provider and model chunk: a rebuild after a
+    recovery makes new loaders at the restored samples on them (building them again was
+    most of the first step after a restore)."""
+    from megatron_deadpool.adapters.iterators import PretrainIterators
+
+    start, calls = [0], []
+    mod = _module(start)
+    its = PretrainIterators()
+    its.wrap(mod)
+
+    def provider(split, vp_stage=None):
+        calls.append((split, vp_stage))
+        return [f"{split}{vp_stage}.{i}" for i in range(4)]
+    provider.is_distributed = True
+    for vp in range(2):
+        stage = functools.partial(provider, vp_stage=vp)
+        stage.is_distributed = True
+        mod.build_train_valid_test_data_iterators(stage)
+    assert len(calls) == 4
+    start[0] = 3
+    train, valid = its.rebuild(mod, provider, chunks=2)
+    train, valid = its.rebuild(mod, provider, chunks=2)
+    assert len(calls) == 4  # no dataset built again
+    assert [next(t) for t in train] == ["train0.3", "train1.3"]
+    assert [next(v) for v in valid] == ["valid0.3", "valid1.3"]
+    seen = []  # the provider's attributes reach the build (is_distributed)
+    mod.build_train_valid_test_data_iterators = lambda p: seen.append(p.is_distributed)
+    its.wrap(mod)
+    mod.build_train_valid_test_data_iterators(stage)
+    assert seen == [True]
 
 
 def test_a_build_after_a_restore_keeps_the_restored_consumed_samples():

@@ -67,6 +67,9 @@ class _Waiter:
             except BaseException as exc:  # noqa: BLE001 - handed to the thread that waits
                 box.error = exc
             box.done.set()
+            # this frame runs until the next work: its locals must not keep the last one
+            # (and what its error's frames hold) alive, where no heap scan can see them
+            del box
 
 
 _lock = threading.Lock()

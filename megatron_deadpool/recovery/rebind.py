@@ -14,12 +14,20 @@ for tests and ``--deadpool-audit full``.
 from __future__ import annotations
 
 import gc
+import os
+import sys
+import threading
+import time
 import types
 import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..base.errors import RebindAuditError
+
+# how long the full audit gives a thread finishing an old-generation call (an abandoned
+# gloo wait unwinding) to let go of an old group before it counts as a leak
+AUDIT_GRACE_S = 2.0
 
 _ATOMIC = (str, bytes, int, float, bool, complex, type(None), types.FunctionType,
            types.BuiltinFunctionType, types.ModuleType, type, types.MethodType)
@@ -250,21 +258,46 @@ def weak_groups(groups: Iterable[Any]) -> List["weakref.ref"]:
     return out
 
 
-def heap_audit(old_groups: Sequence["weakref.ref"]) -> List[str]:
-    """After a rebuild: every old group must have been freed. For any survivor, name the
-    types of the objects that still hold it (a ``gc.get_referrers`` scan: slow, but it only
-    runs when something leaked). Returns an empty list when clean."""
-    gc.collect()
+def heap_audit(old_groups: Sequence["weakref.ref"], grace_s: float = 0.0) -> List[str]:
+    """After a rebuild: every old group must have been freed. For any survivor, name what
+    still holds it: the types of the objects (a ``gc.get_referrers`` scan: slow, but it
+    only runs when something leaked), and the running frames of other threads, whose
+    locals the collector does not see. A group released by a thread still finishing an
+    old-generation call (unwinding an abandoned wait) dies within ``grace_s``: it is looked
+    at again until then. Returns an empty list when clean."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        gc.collect()
+        alive = [ref for ref in old_groups if ref() is not None]
+        if not alive or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
     leaks = []
-    for ref in old_groups:
+    for ref in alive:
         g = ref()
         if g is None:
             continue
         holders = [type(o).__name__ for o in gc.get_referrers(g)
                    if not isinstance(o, (list,)) or o is not old_groups]
+        holders += _running_frames_holding(g)
         leaks.append("group held by " + (", ".join(sorted(set(holders))) or "?"))
         del g
     return leaks
+
+
+def _running_frames_holding(g) -> List[str]:
+    """'thread NAME in FUNC (FILE:LINE)' for each frame of another thread whose locals
+    hold ``g``, directly or in a tuple, list or dict among them."""
+    names, out = {t.ident: t.name for t in threading.enumerate()}, []
+    for ident, frame in sys._current_frames().items():
+        while frame is not None and ident != threading.get_ident():
+            values = [v for x in frame.f_locals.values() for v in (
+                x.values() if isinstance(x, dict) else x if isinstance(x, (tuple, list)) else (x,))]
+            if any(v is g for v in values):
+                out.append(f"thread {names.get(ident, ident)} in {frame.f_code.co_name} "
+                           f"({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})")
+            frame = frame.f_back
+    return out
 
 
 def audit_rebind(mode: str, slots: "GroupSlots", old_groups: Sequence["weakref.ref"],
@@ -278,7 +311,7 @@ def audit_rebind(mode: str, slots: "GroupSlots", old_groups: Sequence["weakref.r
     if mode != "full":
         return None
     settle()
-    leaks = heap_audit(old_groups)
+    leaks = heap_audit(old_groups, AUDIT_GRACE_S)
     if leaks:
         raise RebindAuditError(f"{len(leaks)} old process group(s) still alive after the "
                                f"rebuild: {leaks[:5]}")
