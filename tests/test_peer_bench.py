@@ -156,7 +156,8 @@ def test_young_interval_and_summary():
 
 def _record(system, lost, bitwise, save=None):
     return {"system": system, "recovery_s": lost / 2, "redone": 0 if system == "deadpool"
-            else 2, "lost_s": lost, "iteration_s": 0.5, "save_s": save, "bitwise": bitwise}
+            else 2, "lost_s": lost, "iteration_s": 0.5, "save_s": save, "bitwise": bitwise,
+            "cpu_s": 0.6, "cpu_by_role": {"worker": 0.5, "control": 0.1, "total": 0.6}}
 
 
 def test_summary_ratio_young_and_table():
@@ -181,6 +182,9 @@ def test_summary_ratio_young_and_table():
     table = bench_peers.markdown({"summary": s, "config": cfg})
     row = next(x for x in table.splitlines() if x.startswith("| relaunch"))
     assert "45.00 (30.00–60.00)" in row and "| 15.0 |" in row and "0/3" in row
+    assert "| 0.600 (0.600–0.600) |" in row
+    assert s["relaunch"]["cpu_by_role"] == {"worker": 0.5, "spare": None, "control": 0.1,
+                                            "total": 0.6}
 
 
 def test_local_saves_count_once_per_save():
@@ -314,3 +318,50 @@ def test_deadpool_sim_peers_cli(tmp_path):
                         str(_peers_file(tmp_path))], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "deadpool" in r.stdout and "relaunch" in r.stdout and "4096" in r.stdout
+
+
+BUSY = "import time\nt = time.time() + 0.6\nwhile time.time() < t: pass\ntime.sleep(60)"
+
+
+def test_cpu_probe_sums_the_jobs_cpu_by_role(tmp_path):
+    """Three busy processes under one root: a worker (RANK and LOCAL_RANK), a DeadPool
+    standby spare and a launcher-like one; the probe's samples, taken on iteration lines,
+    give each its own role and grow by the CPU they burned in between."""
+    from megatron_deadpool.apps.peer_inject import CpuProbe, RunLogWriter, role_of
+
+    envs = [dict(os.environ, RANK="0", LOCAL_RANK="0"), dict(os.environ, DEADPOOL_ROLE="spare"),
+            {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}]
+    procs = [subprocess.Popen([sys.executable, "-c", BUSY], env=e) for e in envs]
+    try:
+        assert [role_of(p.pid) for p in procs] == ["worker", "spare", "control"]
+        probe = CpuProbe((2, 4), roots=lambda: [p.pid for p in procs])
+        writer = RunLogWriter(str(tmp_path / "run.log"), probe=probe)
+        writer.line(_it(0, 2).partition(" ")[2])
+        writer.line(_it(0, 3).partition(" ")[2])  # not sampled
+        time.sleep(1.0)  # each burns its 0.6 s of CPU
+        writer.line(_it(0, 4).partition(" ")[2])
+        writer.line(_it(0, 4).partition(" ")[2])  # a second line of 4: sampled once
+        writer.close()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    log = peer_log.parse((tmp_path / "run.log").read_text())
+    assert log.count("cpu") == 2
+    cpu = peer_log.cpu_per_iteration(log)
+    for role in ("worker", "spare", "control"):  # 2 iterations apart
+        assert 0.05 < cpu[role] <= 0.35, cpu
+    assert cpu["total"] == pytest.approx(cpu["worker"] + cpu["spare"] + cpu["control"])
+
+
+def test_cpu_per_iteration_reads_the_first_two_samples():
+    text = "\n".join([peer_log.marker(1.0, "cpu", iter=2, worker="10.0", spare="1.0",
+                                      control="0.5"),
+                      peer_log.marker(9.0, "cpu", iter=12, worker="30.0", spare="1.5",
+                                      control="2.5")])
+    cpu = peer_log.cpu_per_iteration(peer_log.parse(text))
+    assert cpu == pytest.approx({"worker": 2.0, "spare": 0.05, "control": 0.2,
+                                 "total": 2.25})
+    assert peer_log.cpu_per_iteration(peer_log.parse(text.splitlines()[0])) == {}
+    c = peer_log.free_run_costs(peer_log.parse(FREE + "\n" + text), train_iters=10)
+    assert c["cpu_s"] == pytest.approx(2.25) and c["cpu_by_role"]["worker"] == 2.0

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from . import peer_log
-from .peer_inject import Injector
+from .peer_inject import CpuProbe, Injector
 from .peer_systems import NODE_TAG, SYSTEMS, PeerJob, run_system
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,6 +37,7 @@ MODEL_FLAGS = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-s
                "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--mock-data",
                "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
                "--use-distributed-optimizer"]
+CPU_FROM_ITER = 2  # peer_log.step_times leaves the first two steps out too
 PACKAGES = ["torch", "megatron-core", "megatron-deadpool", "nvidia-resiliency-ext"]
 
 
@@ -111,11 +112,13 @@ def one_run(system: str, job: PeerJob, work: str, kill: Optional[dict], echo=Non
     """Run one job (``reparse``: read the run already in ``work`` again instead)."""
     if reparse:
         return _reread(work, job.train_iters)
-    injector = None
+    injector, probe = None, None
     if kill is not None:
         key = "DEADPOOL_NODE" if system == "deadpool" else NODE_TAG
         injector = Injector(kill["iter"], key, rank=kill["rank"])
-    info = run_system(system, job, work, injector, echo=echo)
+    else:  # the failure-free run's CPU, from after the warm-up to before the last save
+        probe = CpuProbe((CPU_FROM_ITER, job.train_iters - 1))
+    info = run_system(system, job, work, injector, echo=echo, probe=probe)
     info["fingerprint"] = fingerprint(info["checkpoints"], job.train_iters)
     info["killed_pids"] = injector.fired["pids"] if injector and injector.fired else None
     info["kill_node"] = injector.fired["node"] if injector and injector.fired else None
@@ -176,8 +179,11 @@ def summarize(records: List[dict], systems: List[str], mtbf_s: Optional[float]
         rs = [r for r in records if r["system"] == system]
         s = {k: peer_log.summarize([r.get(k) for r in rs])
              for k in ("recovery_s", "redone", "lost_s", "iteration_s", "save_s",
-                       "free_span_s")}
+                       "free_span_s", "cpu_s")}
         s["bitwise"] = f"{sum(r['bitwise'] for r in rs)}/{len(rs)}"
+        s["cpu_by_role"] = {k: peer_log.summarize([(r.get("cpu_by_role") or {}).get(k)
+                                                   for r in rs])["median"]
+                            for k in (*CpuProbe.ROLES, "total")}
         s["pieces"] = {k: peer_log.summarize([(r.get("pieces") or {}).get(k) for r in rs])
                        ["median"] for k in peer_log.PIECES}
         save, step = s["save_s"]["median"], s["iteration_s"]["median"]
@@ -214,22 +220,24 @@ def _cell(s: dict, digits: int = 2) -> str:
 
 def markdown(result: dict) -> str:
     head = ("| system | s kill → first step after | iterations redone | s lost vs own "
-            "failure-free run | ratio to DeadPool | step s | save s | bitwise |\n"
-            "|---|---|---|---|---|---|---|---|\n")
+            "failure-free run | ratio to DeadPool | step s | save s | CPU s / iteration | "
+            "bitwise |\n|---|---|---|---|---|---|---|---|---|\n")
     rows = []
     for system, s in result["summary"].items():
         ratio = s["lost_ratio_to_deadpool"]
         rows.append(f"| {system} | {_cell(s['recovery_s'])} | {_cell(s['redone'], 0)} | "
                     f"{_cell(s['lost_s'])} | {'-' if ratio is None else f'{ratio:.1f}'} | "
                     f"{_cell(s['iteration_s'], 3)} | {_cell(s['save_s'])} | "
-                    f"{s['bitwise']} |")
+                    f"{_cell(s['cpu_s'], 3)} | {s['bitwise']} |")
     cfg = result["config"]
     young = {k: v["young_interval"] for k, v in result["summary"].items()
              if "young_interval" in v}
     return (head + "\n".join(rows) + "\n\nMedians (min–max) over "
             f"{cfg['runs']} alternated run(s) per system; kill at iteration "
             f"{cfg['kill_iter']} of {cfg['train_iters']}, the node of rank "
-            f"{cfg['kill_rank']}; save interval {cfg['save_interval']}. Young's interval "
+            f"{cfg['kill_rank']}; save interval {cfg['save_interval']}. CPU s / iteration: "
+            "every process of the failure-free job (workers, spares, launchers, saves), "
+            f"iterations {CPU_FROM_ITER} to {cfg['train_iters'] - 1}. Young's interval "
             "sqrt(2 × save s × MTBF), MTBF " + ("one failure per failure-free run"
                                                if cfg["mtbf_s"] is None else
                                                f"{cfg['mtbf_s']:.0f} s") + ": "

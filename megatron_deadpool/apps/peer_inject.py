@@ -17,6 +17,8 @@ from typing import Callable, Dict, IO, Iterable, List, Optional, Set
 
 from .peer_log import iteration_of, marker, stamp
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
 
 def _children_map() -> Dict[int, List[int]]:
     kids: Dict[int, List[int]] = {}
@@ -72,6 +74,50 @@ def tagged(tags: Dict[str, str]) -> List[int]:
     return sorted(out)
 
 
+def cpu_seconds(pid: int) -> Optional[float]:
+    """User plus system CPU seconds ``pid`` has used (None: it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def role_of(pid: int) -> str:
+    """``worker`` (a training process: any system's, started with a RANK), ``spare`` (a
+    DeadPool standby spare) or ``control`` (everything else: launchers, node agents, the
+    store, NVRx's monitors, Megatron-LM's save helpers)."""
+    env = environ(pid)
+    if env.get("DEADPOOL_ROLE") == "spare":
+        return "spare"
+    return "worker" if env.get("RANK") and env.get("LOCAL_RANK") is not None else "control"
+
+
+class CpuProbe:
+    """Samples, when the job logs iterations ``at`` as finished, the CPU seconds every
+    process of the job has used so far, summed by role (``role_of``): the difference
+    between two samples is the whole job's CPU over those iterations, saves and mirror
+    included, independent of how loaded the machine is."""
+
+    ROLES = ("worker", "spare", "control")
+
+    def __init__(self, at: Iterable[int], roots: Callable[[], List[int]] = list):
+        self.at, self.roots, self.done = set(at), roots, set()
+
+    def on_line(self, text: str) -> Optional[Dict[str, str]]:
+        it = iteration_of(text)
+        if it not in self.at or it in self.done:
+            return None
+        self.done.add(it)
+        used = dict.fromkeys(self.ROLES, 0.0)
+        for pid in descendants(self.roots()):
+            sec = cpu_seconds(pid)
+            if sec is not None:
+                used[role_of(pid)] += sec
+        return {"iter": str(it), **{k: f"{v:.3f}" for k, v in used.items()}}
+
+
 def kill_all(pids: Iterable[int]) -> List[int]:
     killed = []
     for pid in pids:
@@ -122,8 +168,9 @@ class RunLogWriter:
     each to the injector (if any) as it arrives."""
 
     def __init__(self, path: str, injector: Optional[Injector] = None,
-                 t0: Optional[float] = None, echo: Optional[Callable[[str], None]] = None):
-        self.path, self.injector, self.echo = path, injector, echo
+                 t0: Optional[float] = None, echo: Optional[Callable[[str], None]] = None,
+                 probe: Optional[CpuProbe] = None):
+        self.path, self.injector, self.echo, self.probe = path, injector, echo, probe
         self.t0 = time.monotonic() if t0 is None else t0
         self._lock = threading.Lock()
         self._f = open(path, "a", buffering=1)
@@ -146,6 +193,9 @@ class RunLogWriter:
                     f = self.injector.fired
                     self._f.write(marker(self.now(), "kill", iter=f["iter"], node=f["node"],
                                          pids=",".join(map(str, killed))) + "\n")
+            used = self.probe.on_line(text) if self.probe is not None else None
+            if used is not None:
+                self._f.write(marker(self.now(), "cpu", **used) + "\n")
         if self.echo is not None:
             self.echo(text)
 

@@ -144,14 +144,31 @@ def span(log: RunLog, train_iters: int) -> Optional[float]:
     return done[-1] - first if done and first is not None else None
 
 
+def cpu_per_iteration(log: RunLog) -> Dict[str, float]:
+    """CPU seconds per iteration of the whole job, by role and in ``total``, between the
+    first two ``cpu`` markers (the benchmark's CpuProbe: cumulative CPU seconds of every
+    process of the job when an iteration was logged); empty without two markers."""
+    marks = [f for _, e, f in log.markers if e == "cpu"][:2]
+    if len(marks) < 2 or int(marks[1]["iter"]) <= int(marks[0]["iter"]):
+        return {}
+    n = int(marks[1]["iter"]) - int(marks[0]["iter"])
+    out = {k: (float(marks[1][k]) - float(v)) / n for k, v in marks[0].items()
+           if k != "iter" and k in marks[1]}
+    out["total"] = sum(out.values())
+    return out
+
+
 def free_run_costs(log: RunLog, train_iters: int) -> dict:
-    """A failure-free run: its step time, the cost of one save, its end time."""
+    """A failure-free run: its step time, the cost of one save, its end time, and its CPU
+    seconds per iteration (``cpu_s``: the whole job's, saves included; ``cpu_by_role``)."""
     plain, after_save = step_times(log)
     step = statistics.median(plain) if plain else None
     costs = [dt - step for it, dt in after_save.items() if step is not None
              and it < train_iters]
+    cpu = cpu_per_iteration(log)
     return {"iteration_s": step, "save_s": statistics.median(costs) if costs else None,
-            "saves": len(log.saves), "free_span_s": span(log, train_iters)}
+            "saves": len(log.saves), "free_span_s": span(log, train_iters),
+            "cpu_s": cpu.get("total"), "cpu_by_role": cpu}
 
 
 def failure_run(log: RunLog, free: RunLog, train_iters: int) -> dict:

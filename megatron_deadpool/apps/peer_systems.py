@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Tuple
 from ..adapters import lm_rules
 from ..launch.options import free_port
 from ..megatron import tree as mlm_tree
-from .peer_inject import Injector, RunLogWriter, kill_all, tagged
+from .peer_inject import CpuProbe, Injector, RunLogWriter, kill_all, tagged
 
 SYSTEMS = ("deadpool", "nvrx", "nvrx-local", "relaunch")
 NODE_TAG = "PEERS_NODE"
@@ -144,16 +144,18 @@ def _wait(procs, whole_job: bool, deadline: float, grace_s: float = 30.0) -> str
 
 
 def run_system(system: str, job: PeerJob, work: str, injector: Optional[Injector],
-               echo=None) -> dict:
+               echo=None, probe: Optional[CpuProbe] = None) -> dict:
     """One run; its log is ``work/run.log``, its checkpoints ``work/ck``."""
     os.makedirs(work, exist_ok=True)
     ck, local = os.path.join(work, "ck"), os.path.join(work, "local")
     argv = [*job.flags, *system_flags(system, job, ck, local)]
     run_tag = {"PEERS_RUN": uuid.uuid4().hex}
     env, roots = dict(base_env(job), **run_tag), []
-    if injector is not None:
-        injector.roots = lambda: list(roots)
-    writer = RunLogWriter(os.path.join(work, "run.log"), injector=injector, echo=echo)
+    for watcher in (injector, probe):
+        if watcher is not None:
+            watcher.roots = lambda: list(roots)
+    writer = RunLogWriter(os.path.join(work, "run.log"), injector=injector, echo=echo,
+                          probe=probe)
     deadline = time.monotonic() + job.timeout_s
     outcome, attempt = "failed", 0
     try:

@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 
 WATCH_POLL_S = 0.1
 PLAN_POLL_S = 0.02
+# A standby spare blocks in a store wait for the next plan's key, at most this long at a time
+# (it sees a stop within it): polling at PLAN_POLL_S, two spare processes took about a tenth
+# of a 2-core machine's training (docs/peers.md).
+STANDBY_NAP_S = 0.5
 
 
 class Member:
@@ -181,7 +185,18 @@ class Member:
                     raise exc
                 raise DeadpoolError(f"no membership plan of generation >= {min_gen} arrived "
                                     f"in {timeout_s:.0f}s")
+            if timeout_s is None:
+                self._nap(min_gen)
             time.sleep(PLAN_POLL_S)
+
+    def _nap(self, gen: int) -> None:
+        """A standby spare's wait for generation ``gen``'s plan: in the store server, not
+        a poll. A key that exists already (a plan that did not name it, or a forged
+        record) returns at once; the caller's short sleep then bounds the loop's rate."""
+        try:
+            self.coord.raw.wait([st.k("plan", gen)], timedelta(seconds=STANDBY_NAP_S))
+        except Exception:  # noqa: BLE001 - the wait's timeout (DistStoreError), or the
+            pass           # store gone: the loop's own checks decide
 
     def arrive(self, gen: int, world_size: int) -> None:
         """Abortable rendezvous (``arrive``); raises GenerationMoved or JobStopped."""

@@ -29,6 +29,7 @@ microseconds). CUDA tensors (NCCL, whose abort wakes everything) are not wrapped
 
 from __future__ import annotations
 
+import _thread
 import inspect
 import queue
 import threading
@@ -43,11 +44,27 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gathe
 
 
 class _Box:
-    __slots__ = ("work", "done", "abandoned", "error", "waiter")
+    """One wait handed to a waiter. ``done`` is a lock held from the start and released
+    once (gloo returned, or the abort): the caller blocks in its ``acquire``, the cheapest
+    hand-back the standard library has (an Event is a Condition over a lock: several times
+    the work per wait, paid on every gloo operation)."""
+
+    __slots__ = ("work", "done", "finished", "abandoned", "error", "waiter")
 
     def __init__(self, work, waiter):
-        self.work, self.done, self.waiter = work, threading.Event(), waiter
-        self.abandoned, self.error = False, None
+        self.work, self.waiter = work, waiter
+        self.done = _thread.allocate_lock()
+        self.done.acquire()
+        self.finished = self.abandoned = False
+        self.error = None
+
+    def finish(self) -> None:
+        """(the waiter, or the abort: whichever comes first wakes the caller)"""
+        self.finished = True
+        try:
+            self.done.release()
+        except RuntimeError:  # released already by the other one
+            pass
 
 
 class _Waiter:
@@ -66,7 +83,7 @@ class _Waiter:
                 box.work.wait()
             except BaseException as exc:  # noqa: BLE001 - handed to the thread that waits
                 box.error = exc
-            box.done.set()
+            box.finish()
             # this frame runs until the next work: its locals must not keep the last one
             # (and what its error's frames hold) alive, where no heap scan can see them
             del box
@@ -101,7 +118,8 @@ class AbortableWork:
                 _pending.add(box)
                 waiter.q.put(box)
         box = self._box
-        box.done.wait()
+        if not box.finished:
+            box.done.acquire()
         with _lock:
             _pending.discard(box)
         if box.abandoned:
@@ -111,7 +129,7 @@ class AbortableWork:
         return True
 
     def is_completed(self) -> bool:
-        return self._box is not None and self._box.done.is_set() and not self._box.abandoned
+        return self._box is not None and self._box.finished and not self._box.abandoned
 
     def __getattr__(self, name):
         return getattr(self._work, name)
@@ -128,7 +146,7 @@ def abandon_all() -> int:
         stuck = {id(b.waiter): b.waiter for b in boxes}
         for box in boxes:
             box.abandoned = True
-            box.done.set()
+            box.finish()
         for ident, waiter in list(_waiters.items()):
             if id(waiter) in stuck:
                 waiter.q.put(None)  # it leaves once gloo lets go of it
@@ -190,15 +208,20 @@ def _on_gloo(arguments: dict) -> bool:
 
 
 def _abortable(orig):
-    sig = inspect.signature(orig)
+    names = list(inspect.signature(orig).parameters)  # has async_op (install checks)
+    at = names.index("async_op")
 
     def collective(*args, **kwargs):
-        bound = sig.bind(*args, **kwargs)
-        if not _on_gloo(bound.arguments):
+        arguments = dict(zip(names, args))  # what a signature bind gives, for less
+        arguments.update(kwargs)
+        if not _on_gloo(arguments):
             return orig(*args, **kwargs)
-        blocking = not bound.arguments.get("async_op", False)
-        bound.arguments["async_op"] = True
-        work = orig(*bound.args, **bound.kwargs)
+        blocking = not arguments.get("async_op", False)
+        if len(args) > at:
+            args = args[:at] + (True,) + args[at + 1:]
+        else:
+            kwargs["async_op"] = True
+        work = orig(*args, **kwargs)
         if work is None or type(work).__name__ == "_IllegalWork":  # not a member; coalescing
             return None if blocking else work
         work = AbortableWork(work)

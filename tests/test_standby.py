@@ -1,0 +1,55 @@
+"""A standby spare waits for its plan in the store server, not by polling
+(membership/member.py: Member._nap): while no plan names it, its main connection makes a
+few store operations per second, not one every PLAN_POLL_S (two standby spares polling took
+CPU from training: docs/peers.md); a plan that names it still ends the wait."""
+
+import threading
+import time
+
+from megatron_deadpool.membership import member as mb
+from megatron_deadpool.membership import store as st
+from megatron_deadpool.membership.plan import Plan
+
+SECRET = "s" * 32
+
+
+class Counting:
+    """The raw store, counting the operations made through it."""
+
+    def __init__(self, raw):
+        self.raw, self.n = raw, 0
+
+    def __getattr__(self, name):
+        op = getattr(self.raw, name)
+
+        def counted(*a, **kw):
+            self.n += 1
+            return op(*a, **kw)
+        return counted
+
+
+def _plan(gen, rank_of):
+    return Plan(gen=gen, world_size=2, rank_of=rank_of, node_of_rank=(0, 1))
+
+
+def test_a_standby_spare_blocks_in_the_store_until_a_plan_names_it():
+    server = st.connect("127.0.0.1", 0, 30.0, is_master=True)
+    coord = st.Coordinator(server, SECRET)
+    coord.publish_plan(_plan(0, {0: 0, 1: 1}))
+    spare = mb.Member(lid=2, node=1, host="127.0.0.1", port=server.port, secret=SECRET,
+                      heartbeat_interval_s=0.1, rendezvous_timeout_s=5.0)
+    spare.coord.raw = counting = Counting(spare.coord.raw)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(spare.wait_for_plan(1, None)),
+                              daemon=True)
+    waiter.start()
+    window_s = 1.0
+    time.sleep(window_s)
+    polls = window_s / mb.PLAN_POLL_S  # what a poll every PLAN_POLL_S would have made
+    assert counting.n < polls / 5, counting.n  # about 3 operations per STANDBY_NAP_S
+    coord.publish_plan(_plan(1, {0: 0, 3: 1}))  # a plan that takes another spare
+    time.sleep(window_s)
+    assert not got and counting.n < 2 * polls / 5, counting.n
+    coord.publish_plan(_plan(2, {0: 0, 2: 1}))
+    waiter.join(10)
+    assert got and got[0].gen == 2 and got[0].rank(2) == 1
