@@ -1,7 +1,8 @@
-"""A standby spare waits for its plan in the store server, not by polling
-(membership/member.py: Member._nap): while no plan names it, its main connection makes a
-few store operations per second, not one every PLAN_POLL_S (two standby spares polling took
-CPU from training: docs/peers.md); a plan that names it still ends the wait."""
+"""A standby spare does not poll the store for its plan (membership/member.py): it sleeps
+until its watcher thread sees a newer generation. While no plan names it, its main
+connection makes a few store operations per second, not two every PLAN_POLL_S (two standby
+spares polling took CPU from training: docs/peers.md); a plan that names it still ends the
+wait, and so does a stop."""
 
 import threading
 import time
@@ -39,6 +40,9 @@ def test_a_standby_spare_blocks_in_the_store_until_a_plan_names_it():
     spare = mb.Member(lid=2, node=1, host="127.0.0.1", port=server.port, secret=SECRET,
                       heartbeat_interval_s=0.1, rendezvous_timeout_s=5.0)
     spare.coord.raw = counting = Counting(spare.coord.raw)
+    spare._watcher = threading.Thread(target=spare._watch, daemon=True,  # as admit() does
+                                      args=(dict, lambda gen: None, lambda why: None))
+    spare._watcher.start()
     got = []
     waiter = threading.Thread(target=lambda: got.append(spare.wait_for_plan(1, None)),
                               daemon=True)
@@ -46,10 +50,35 @@ def test_a_standby_spare_blocks_in_the_store_until_a_plan_names_it():
     window_s = 1.0
     time.sleep(window_s)
     polls = window_s / mb.PLAN_POLL_S  # what a poll every PLAN_POLL_S would have made
-    assert counting.n < polls / 5, counting.n  # about 3 operations per STANDBY_NAP_S
+    assert counting.n < polls / 5, counting.n  # about 2 operations per STANDBY_NAP_S
     coord.publish_plan(_plan(1, {0: 0, 3: 1}))  # a plan that takes another spare
     time.sleep(window_s)
     assert not got and counting.n < 2 * polls / 5, counting.n
     coord.publish_plan(_plan(2, {0: 0, 2: 1}))
     waiter.join(10)
     assert got and got[0].gen == 2 and got[0].rank(2) == 1
+    spare.close()
+
+
+def test_a_stop_ends_a_standby_spares_wait():
+    server = st.connect("127.0.0.1", 0, 30.0, is_master=True)
+    coord = st.Coordinator(server, SECRET)
+    coord.publish_plan(_plan(0, {0: 0, 1: 1}))
+    spare = mb.Member(lid=2, node=1, host="127.0.0.1", port=server.port, secret=SECRET,
+                      heartbeat_interval_s=0.1, rendezvous_timeout_s=5.0)
+    spare._watcher = threading.Thread(target=spare._watch, daemon=True,
+                                      args=(dict, lambda gen: None, lambda why: None))
+    spare._watcher.start()
+    ended = []
+
+    def wait():
+        try:
+            spare.wait_for_plan(1, None)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            ended.append(exc)
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    coord.set_shutdown("complete: all ranks finished")
+    waiter.join(10)
+    assert ended and "complete" in str(ended[0]), ended
+    spare.close()

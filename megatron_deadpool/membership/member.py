@@ -31,10 +31,10 @@ log = logging.getLogger(__name__)
 
 WATCH_POLL_S = 0.1
 PLAN_POLL_S = 0.02
-# A standby spare blocks in a store wait for the next plan's key, at most this long at a time
-# (it sees a stop within it): polling at PLAN_POLL_S, two spare processes took about a tenth
-# of a 2-core machine's training (docs/peers.md).
-STANDBY_NAP_S = 0.5
+# A standby spare does not poll the store: it sleeps until its watcher sees a newer
+# generation or a stop, at most this long at a time. Polling every PLAN_POLL_S, two standby
+# spares took 1-2 % of a 2-core machine's CPU from training (docs/peers.md).
+STANDBY_NAP_S = 1.0
 
 
 class Member:
@@ -51,6 +51,7 @@ class Member:
         self._bad_plans: set = set()  # generations whose plan slot did not verify (logged)
         self.sections = SectionTracker()  # the section heartbeats name (Deadpool.section)
         self._stop = threading.Event()
+        self._news = threading.Event()  # the watcher saw a newer generation or a stop
         self._watcher: Optional[threading.Thread] = None
         self._watch_coord: Optional[st.Coordinator] = None
 
@@ -67,10 +68,14 @@ class Member:
         client = st.Coordinator(st.connect(self.host, self.port, self.rendezvous_timeout_s),
                                 self.secret)
         self._watch_coord = client  # the watcher's own connection (_here)
-        seq, last_hb = 0, 0.0
+        seq, last_hb, seen = 0, 0.0, -1
         while not self._stop.is_set():
             try:
-                on_generation(client.current_gen())
+                gen = client.current_gen()
+                if gen > seen:
+                    seen = gen
+                    self._news.set()
+                on_generation(gen)
                 now = time.monotonic()
                 if now - last_hb >= self.heartbeat_interval_s:
                     seq += 1
@@ -81,6 +86,7 @@ class Member:
                     reason = client.shutdown_reason()
                     if reason is not None:
                         self.stop_reason = reason
+                        self._news.set()
                         on_stop(reason)
             except Exception:  # noqa: BLE001 - the store is gone: the job is over
                 if self._stop.is_set():
@@ -168,6 +174,7 @@ class Member:
         wait), else DeadpoolError. Raises JobStopped when the job stops meanwhile."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
+            self._news.clear()  # before reading: news that comes after it ends the nap
             self.raise_if_stopped()
             g = self.coord.current_gen()
             plan = self._verified_plan(g) if g >= min_gen else None
@@ -185,18 +192,9 @@ class Member:
                     raise exc
                 raise DeadpoolError(f"no membership plan of generation >= {min_gen} arrived "
                                     f"in {timeout_s:.0f}s")
-            if timeout_s is None:
-                self._nap(min_gen)
+            if timeout_s is None and self._watcher is not None:
+                self._news.wait(STANDBY_NAP_S)  # a standby spare: until the watcher's news
             time.sleep(PLAN_POLL_S)
-
-    def _nap(self, gen: int) -> None:
-        """A standby spare's wait for generation ``gen``'s plan: in the store server, not
-        a poll. A key that exists already (a plan that did not name it, or a forged
-        record) returns at once; the caller's short sleep then bounds the loop's rate."""
-        try:
-            self.coord.raw.wait([st.k("plan", gen)], timedelta(seconds=STANDBY_NAP_S))
-        except Exception:  # noqa: BLE001 - the wait's timeout (DistStoreError), or the
-            pass           # store gone: the loop's own checks decide
 
     def arrive(self, gen: int, world_size: int) -> None:
         """Abortable rendezvous (``arrive``); raises GenerationMoved or JobStopped."""
