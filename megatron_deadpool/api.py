@@ -105,6 +105,7 @@ class Deadpool:
         from .membership.member import Member
         from .mirror import snapshot
         from .mirror.meter import NO_METER, Meter
+        from .recovery import counting
         from .recovery.phases import EventSink
         from .recovery.world import World
 
@@ -113,6 +114,8 @@ class Deadpool:
         sink = EventSink(cfg.events_path)
         member = Member(env.lid, env.node, env.store_host, env.store_port, secret,
                         cfg.heartbeat_interval_s, cfg.rendezvous_timeout_s)
+        if cfg.count_work:
+            counting.count_store_ops()
         world = World(self.backend, env.store_port, cfg.rendezvous_timeout_s,
                       cfg.collective_timeout_s, sink.emit,
                       gloo_op_timeout_s=cfg.gloo_op_timeout_s,

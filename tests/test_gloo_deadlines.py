@@ -211,6 +211,9 @@ def _stuck_worker(rank: int, path: str, stuck: str, out) -> None:
     dist.all_reduce(x, group=pp)
     dist.all_reduce(y, group=pp, async_op=True).wait()
     dist.barrier(group=pp)
+    z = torch.full((3,), rank + 1.0)
+    with dist._coalescing_manager(group=pp):  # as megatron's bucketed DP collectives
+        dist.all_reduce(z, group=pp)
     if rank == 1:
         a, b = torch.zeros(4), torch.zeros(4)
         dist.recv(a, 0, group=pp)
@@ -225,11 +228,15 @@ def _stuck_worker(rank: int, path: str, stuck: str, out) -> None:
     for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((4,), 2.0), 1, pp)]):
         req.wait()
     store.wait(["received"], timedelta(seconds=60))
-    received = f"{store.get('received').decode()} {x.sum().item()} {y.sum().item()}"
+    received = (f"{store.get('received').decode()} {x.sum().item()} {y.sum().item()} "
+                f"{z.sum().item()}")
     threading.Timer(2.0, lambda: w.abort("test: the plan moved on", 0)).start()
     try:
         if stuck == "send":
             dist.isend(torch.ones(4), 1, group=unknown).wait()
+        elif stuck == "coalesced":  # torch waits on the coalesced work itself at the end
+            with dist._coalescing_manager(group=unknown):
+                dist.all_reduce(torch.ones(4), group=unknown)
         else:
             dist.all_reduce(torch.ones(4), group=unknown)
         out.put((kind, received, "completed"))
@@ -238,7 +245,7 @@ def _stuck_worker(rank: int, path: str, stuck: str, out) -> None:
     store.set("reported", "1")
 
 
-@pytest.mark.parametrize("stuck", ["send", "all_reduce"])
+@pytest.mark.parametrize("stuck", ["send", "all_reduce", "coalesced"])
 def test_a_gloo_wait_the_socket_shutdown_misses_ends_at_the_abort(tmp_path, stuck):
     """A survivor blocked in a gloo send once sat out the whole op deadline (15 s) before
     reaching the new plan, and one in a collective still did after the p2p fix. A wait
@@ -265,8 +272,9 @@ def test_a_gloo_wait_the_socket_shutdown_misses_ends_at_the_abort(tmp_path, stuc
             if p.is_alive():
                 p.kill()
     assert kind == "AbortableWork"
-    # both healthy sends arrived, in order; the all_reduces summed 1+2 and 10+20
-    assert received == "4.0 8.0 12.0 60.0"
+    # both healthy sends arrived, in order; the all_reduces summed 1+2 and 10+20, the
+    # coalesced one 1+2
+    assert received == "4.0 8.0 12.0 60.0 9.0"
     assert msg == gloo_waits.ABANDONED, msg  # not "Timed out waiting 20000ms for ..."
     assert is_comm_failure(RuntimeError(msg))
 

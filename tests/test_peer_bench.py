@@ -365,3 +365,15 @@ def test_cpu_per_iteration_reads_the_first_two_samples():
     assert peer_log.cpu_per_iteration(peer_log.parse(text.splitlines()[0])) == {}
     c = peer_log.free_run_costs(peer_log.parse(FREE + "\n" + text), train_iters=10)
     assert c["cpu_s"] == pytest.approx(2.25) and c["cpu_by_role"]["worker"] == 2.0
+
+
+def test_a_lost_time_within_noise_of_zero_divides_by_the_recovery_time():
+    from megatron_deadpool.apps import bench_peers
+
+    records = [dict(_record("deadpool", x, True), recovery_s=1.25) for x in (-0.8, -0.4, 1.5)]
+    records += [_record("relaunch", x, False, save=2.0) for x in (30.0, 60.0, 45.0)]
+    s = bench_peers.summarize(records, ["deadpool", "relaunch"], mtbf_s=3600.0)
+    assert s["deadpool"]["lost_s"]["median"] == -0.4
+    assert s["deadpool"]["ratio_reference_s"] == 1.25
+    assert s["relaunch"]["lost_ratio_to_deadpool"] == pytest.approx(45.0 / 1.25)
+    assert s["deadpool"]["lost_ratio_to_deadpool"] is None  # its own median is below zero

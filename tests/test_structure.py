@@ -14,7 +14,7 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "megatron_deadpool"
 # every module is listed. A module may import from its own layer and the layers below it.
 LAYERS = [
     ("foundations", {"base": ["errors", "vocabulary", "state", "faults", "config", "sections",
-                              "worker_env", "planning", "scaling"]}),
+                              "worker_env", "planning", "scaling", "counts"]}),
     ("mechanisms", {
         "membership": ["auth", "assign", "plan", "procs", "local_restart", "startup", "records", "store",
                        "drain", "straggler", "decider", "member"],
@@ -26,7 +26,7 @@ LAYERS = [
                      "evaluation", "async_saves", "cadence"],
         "recovery": ["phases", "classify", "abort", "quiet", "reaper", "rebind", "restore",
                      "shared_groups", "stall", "world", "gloo_waits", "fault_points", "formation", "alarms",
-                     "fallback", "boundary"]}),
+                     "fallback", "boundary", "counting"]}),
     ("control", {"control": ["protected", "recovery", "runtime"]}),
     ("api", {"": ["api"]}),
     ("callers of the api", {"trainer": ["args", "data", "gpt"], "megatron": ["lm", "tree"]}),
@@ -34,7 +34,7 @@ LAYERS = [
                            "progress", "slurm_drain"]}),
     ("applications", {"apps": ["demo", "soak", "bench", "bench_recovery", "bench_peers",
                                "peer_log", "peer_inject", "peer_systems", "report", "sim",
-                               "sim_plot", "sim_peers", "drain", "cli"]}),
+                               "sim_plot", "sim_peers", "sim_counts", "drain", "cli"]}),
 ]
 FOLDER_LAYER = {folder: i for i, (_, folders) in enumerate(LAYERS) for folder in folders}
 LAYER_OF = {(f"{folder}.{m}" if folder else m): i for i, (_, folders) in enumerate(LAYERS)

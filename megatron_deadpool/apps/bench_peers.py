@@ -8,8 +8,7 @@ run whose node is SIGKILLed when iteration K starts. Each run's log gives the re
 against the same round's failure-free run of that system, the step time and the save cost.
 The fingerprint, the same for every system: SHA-256 over every tensor (parameters and the
 distributed optimizer's state) of the checkpoint each run writes with ``--save`` at the last
-iteration, its optimizer step counts and that iteration; a run is bitwise when it equals
-its failure-free run's.
+iteration, its optimizer step counts and that iteration (bitwise: equal to its free run's).
 """
 
 from __future__ import annotations
@@ -120,8 +119,8 @@ def one_run(system: str, job: PeerJob, work: str, kill: Optional[dict], echo=Non
         probe = CpuProbe((CPU_FROM_ITER, job.train_iters - 1))
     info = run_system(system, job, work, injector, echo=echo, probe=probe)
     info["fingerprint"] = fingerprint(info["checkpoints"], job.train_iters)
-    info["killed_pids"] = injector.fired["pids"] if injector and injector.fired else None
-    info["kill_node"] = injector.fired["node"] if injector and injector.fired else None
+    fired = (injector.fired if injector else None) or {}
+    info["killed_pids"], info["kill_node"] = fired.get("pids"), fired.get("node")
     return info
 
 
@@ -194,12 +193,25 @@ def summarize(records: List[dict], systems: List[str], mtbf_s: Optional[float]
             s["young_interval"] = {"s": young, "iterations": iters, "mtbf_s": mtbf,
                                    "lost_s_modeled": _lost_at(s, iters, step)}
         out[system] = s
-    ref = (out.get("deadpool") or {}).get("lost_s", {}).get("median")
+    ref = ratio_reference(out.get("deadpool"))
     for system, s in out.items():
         lost = s["lost_s"]["median"]
         s["lost_ratio_to_deadpool"] = (lost / ref if ref and lost is not None and ref > 0
-                                       else None)
+                                       and lost > 0 else None)
+    if ref is not None:
+        out["deadpool"]["ratio_reference_s"] = ref
     return out
+
+
+def ratio_reference(s: Optional[dict]) -> Optional[float]:
+    """DeadPool's loss the ratios divide by: the larger of its median lost time and its
+    median kill → first step after. A lost time within the noise of zero (a median below
+    zero) gives no ratio; the recovery time bounds the loss from above (one whole step
+    included), so the ratios it gives are the peers' smallest."""
+    if not s:
+        return None
+    vals = [s[k]["median"] for k in ("lost_s", "recovery_s") if s[k]["median"] is not None]
+    return max(vals) if vals else None
 
 
 def _lost_at(s: dict, interval: int, step: float) -> Optional[float]:
@@ -235,7 +247,9 @@ def markdown(result: dict) -> str:
     return (head + "\n".join(rows) + "\n\nMedians (min–max) over "
             f"{cfg['runs']} alternated run(s) per system; kill at iteration "
             f"{cfg['kill_iter']} of {cfg['train_iters']}, the node of rank "
-            f"{cfg['kill_rank']}; save interval {cfg['save_interval']}. CPU s / iteration: "
+            f"{cfg['kill_rank']}; save interval {cfg['save_interval']}. Ratio: a peer's "
+            "median lost time over DeadPool's larger of its median lost time and its median "
+            "kill → first step after. CPU s / iteration: "
             "every process of the failure-free job (workers, spares, launchers, saves), "
             f"iterations {CPU_FROM_ITER} to {cfg['train_iters'] - 1}. Young's interval "
             "sqrt(2 × save s × MTBF), MTBF " + ("one failure per failure-free run"

@@ -55,7 +55,7 @@ def aggregate(world_size: int, samples: List[dict], shard_bytes: Optional[int]) 
     phases = {ph: spread([s["phases_s"].get(ph, 0.0) for s in samples]) for ph in PHASE_ORDER}
     totals = [s["total_s"] for s in samples]
     walls = [s["wall_s"] for s in samples if s.get("wall_s") is not None]
-    return {"world_size": world_size, "nodes": world_size // PROCS_PER_NODE, "spare_nodes": 1,
+    out = {"world_size": world_size, "nodes": world_size // PROCS_PER_NODE, "spare_nodes": 1,
             "processes": world_size + PROCS_PER_NODE,  # the spare node's included
             "repeats": len(samples), "phases_s": phases,
             "total_s_median": round(statistics.median(totals), 4), "total_s": spread(totals),
@@ -63,10 +63,40 @@ def aggregate(world_size: int, samples: List[dict], shard_bytes: Optional[int]) 
             "shard_bytes_per_rank": shard_bytes,
             "samples": [{k: s.get(k) for k in ("phases_s", "total_s", "wall_s")}
                         for s in samples]}
+    if any(s.get("counts") for s in samples):  # --counts: exact, so every run must agree
+        out["counts"], out["counts_spare"] = samples[0]["counts"], samples[0]["counts_spare"]
+        out["counts_agree"] = all(s["counts"] == samples[0]["counts"] for s in samples)
+    return out
+
+
+def count_laws(runs: List[dict]) -> Dict[str, Dict[str, dict]]:
+    """Pure: per phase and kind, the per-survivor count at each W and its fitted form
+    (sim_counts.count_laws: O(1), O(log W) or O(W))."""
+    from .sim_counts import count_laws as fitted
+
+    measured = [r for r in runs if r.get("counts") is not None]
+    laws = fitted(measured) if measured else {}
+    return {ph: {kind: {"by_w": {str(r["world_size"]): r["counts"].get(ph, {}).get(kind, 0)
+                                 for r in measured},
+                        "form": law.form, "law": law.to_json()}
+                 for kind, law in kinds.items()}
+            for ph, kinds in laws.items() if kinds}
+
+
+def counts_table(laws: Dict[str, Dict[str, dict]]) -> str:
+    """Pure: one line per phase and kind, the counts at each W and the fitted form."""
+    lines = []
+    for ph, kinds in laws.items():
+        for kind, x in kinds.items():
+            at = " ".join(f"W={w}:{n}" for w, n in x["by_w"].items())
+            lines.append(f"{ph:<15} {kind:<16} {at}  {x['form'] or '-'}")
+    return "\n".join(lines)
 
 
 def _one(work: str, tag: str, world_size: int, inject: str, extra: List[str], log: str
          ) -> dict:
+    """One run; its first recovery (with ``counts`` and ``counts_spare``: per phase, the
+    most work one survivor and one promoted spare did)."""
     rd = os.path.join(work, tag)
     argv = DEMO_FLAGS + ["--train-iters", str(TRAIN_ITERS), "--deadpool", "--deadpool-events",
                          os.path.join(work, f"{tag}.events.jsonl")] + extra
@@ -90,7 +120,7 @@ def _print_run(w: int, i: int, repeats: int, rec: dict) -> None:
 
 
 def recovery(repeats: int = 3, world_sizes: Sequence[int] = (4, 8, 16),
-             hang: bool = True) -> dict:
+             hang: bool = True, counts: bool = False) -> dict:
     sizes = check_world_sizes(world_sizes)
     if repeats < 1:
         raise DeadpoolError("--repeats must be >= 1")
@@ -104,7 +134,7 @@ def recovery(repeats: int = 3, world_sizes: Sequence[int] = (4, 8, 16),
         for i in range(repeats):
             try:
                 samples.append(_one(work, f"w{w}-run{i}", w, f"kill:node=1@iter={KILL_ITER}",
-                                    [], log))
+                                    ["--deadpool-count-work"] if counts else [], log))
             except DeadpoolError as exc:  # recorded and reported; the other runs go on
                 failed.append({"world_size": w, "run": i, "error": str(exc)})
                 print(f"W={w:<3} run {i + 1}/{repeats}: FAILED: {exc}", flush=True)
@@ -115,6 +145,10 @@ def recovery(repeats: int = 3, world_sizes: Sequence[int] = (4, 8, 16),
             print(f"W={w}: median total {runs[-1]['total_s_median']:.3f} s", flush=True)
     result = {"config": CONFIG, "runs": runs, "failed_runs": failed, "work_dir": work,
               "cpu_cores": os.cpu_count()}
+    if counts:
+        result["count_laws"] = count_laws(runs)
+        print("per survivor, per phase (the most one survivor did):\n"
+              + counts_table(result["count_laws"]), flush=True)
     if hang:
         try:
             result["hang"] = _hang(work, sizes[len(sizes) // 2], log)

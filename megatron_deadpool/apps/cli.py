@@ -134,6 +134,9 @@ def _add_bench(sub) -> None:
     br.add_argument("--world-sizes", default="4,8,16", metavar="W,W,...",
                     help="processes (multiples of 4: TP2 x PP2 x DP W/4); default %(default)s")
     br.add_argument("--no-hang", action="store_true", help="skip the SIGSTOP run")
+    br.add_argument("--counts", action="store_true", help="also count each phase's work per "
+                    "survivor (groups, connections, store operations, messages, bytes) and "
+                    "fit each count against W (--deadpool-count-work)")
     from .bench_peers import add_arguments as add_peers
 
     add_peers(bsub.add_parser("peers", help="DeadPool against NVRx and a whole-job relaunch "
@@ -215,7 +218,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 from .bench_recovery import recovery
 
                 result = recovery(repeats=args.repeats, hang=not args.no_hang,
-                                  world_sizes=_int_list(args.world_sizes, "--world-sizes"))
+                                  world_sizes=_int_list(args.world_sizes, "--world-sizes"),
+                                  counts=args.counts)
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(result, f, indent=2)
@@ -264,7 +268,7 @@ def _run_sim(args) -> int:
         result = sim_peers.project(cfg, measured, sim_peers.load_pieces(args.peers))
         print("\n".join(sim_peers.format_table(result)))
     else:
-        result = sim.simulate(cfg, measured)
+        result = sim.simulate(cfg, measured, law=args.law)
         print("\n".join(sim_plot.format_table(result)))
     for w in ([] if args.peers else sim_plot.warnings(result)):
         print(w, file=sys.stderr)

@@ -27,6 +27,7 @@ LLAMA3_GPU_MTBF_H = 16384 * 54 * 24 / 419
 SHARD_BYTES_PER_PARAM = 12   # fp32 main params + Adam exp_avg + exp_avg_sq (distributed opt.)
 MODEL_BYTES_PER_PARAM = 2    # bf16 model params (per TP x PP rank, not sharded over DP)
 TOLERANCE = 0.25
+LAWS = ("auto", "counts", "fit")
 
 
 class SimError(ConfigError):
@@ -139,7 +140,7 @@ def _run_point(r: Dict, cores: Optional[int]) -> Dict:
 
     phases = {ph: med(r["phases_s"][ph]) for ph in PHASE_ORDER}
     procs = r.get("processes")
-    return {"world_size": int(r["world_size"]), "phases_s": phases,
+    return {"world_size": int(r["world_size"]), "phases_s": phases, "counts": r.get("counts"),
             "total_s": float(r.get("total_s_median", sum(phases.values()))),
             "shard_bytes": r.get("shard_bytes_per_rank"),
             "oversub": max(1.0, procs / cores) if procs and cores else 1.0}
@@ -157,6 +158,19 @@ def fit_phases(runs: List[Dict], cfg: SimConfig) -> Dict[str, scaling.Law]:
                   for y, r in zip(ys, runs)]
         laws[ph] = scaling.fit(ws, ys)
     return laws
+
+
+def phase_laws(measured: Dict, cfg: SimConfig, law: str = "auto") -> Dict:
+    """Per phase, its law against W: ``counts`` (sim_counts.py: counted work x unit costs;
+    ``auto`` when the file has counts) or ``fit`` (each phase's time fitted directly)."""
+    from . import sim_counts
+
+    runs = measured["runs"]
+    if law not in LAWS:
+        raise SimError(f"--law must be one of {LAWS}, got {law!r}")
+    if law == "counts" or (law == "auto" and sim_counts.has_counts(runs)):
+        return sim_counts.phase_laws(runs)
+    return fit_phases(runs, cfg)
 
 
 def predict_phases(laws: Dict[str, scaling.Law], w: int, nbytes: float,
@@ -262,10 +276,13 @@ def spares(cfg: SimConfig) -> Dict:
             "given_spare_nodes": cfg.spare_nodes, "per_scale": per}
 
 
-def simulate(cfg: SimConfig, measured_path) -> Dict:
+def simulate(cfg: SimConfig, measured_path, law: str = "auto") -> Dict:
     """The whole model: the JSON ``deadpool sim --json`` writes."""
+    from . import sim_counts
+
     measured = load_measured(measured_path)
-    laws = fit_phases(measured["runs"], cfg)
+    laws = phase_laws(measured, cfg, law)
+    by_counts = isinstance(next(iter(laws.values())), sim_counts.CountLaw)
     at = {str(g): strategies_at(cfg, laws, g) for g in cfg.gpus}
 
     def shape(key):
@@ -287,7 +304,9 @@ def simulate(cfg: SimConfig, measured_path) -> Dict:
                                                   v["hotswap_breakdown_s"].items()}}
                       for g, v in at.items()},
         "spares": spares(cfg),
-        "validation": validate(measured["runs"], cfg),
+        "law": "counts" if by_counts else "fit",
+        "validation": sim_counts.validate(measured["runs"], TOLERANCE) if by_counts
+        else validate(measured["runs"], cfg),
         "validation_method": "leave-one-out (each measured W predicted from a fit on the "
                              "other world sizes); in_sample_* fields: fit on all",
         "measured_file": str(measured_path), "measured_placeholder": measured["placeholder"],

@@ -107,7 +107,7 @@ def project(cfg: sim.SimConfig, measured_path, peers: Dict[str, dict],
             scale: PeerScale = PeerScale()) -> dict:
     """Per scale, per system: lost per failure, steady overhead, goodput; the ratio of each
     system's loss to DeadPool's."""
-    laws = sim.fit_phases(sim.load_measured(measured_path)["runs"], cfg)
+    laws = sim.phase_laws(sim.load_measured(measured_path), cfg)
     out = {}
     for g in cfg.gpus:
         hot = sim.strategies_at(cfg, laws, g)

@@ -33,6 +33,11 @@ def format_table(result: Dict) -> List[str]:
                  f"{sp['probability']:.4f} >= {sp['target_probability']}")
     lines.append("scaling law: " + ", ".join(
         f"{ph} {law['form']}" for ph, law in result["scaling_law"].items()))
+    for ph, law in result["scaling_law"].items():  # the count law: where growth comes from
+        if "counts" in law:
+            lines.append(f"  {ph}: {law['constant_s']:.4f} s + " + " + ".join(
+                f"{k} {c['form']} x {law['unit_s'][k]:.3g} s"
+                for k, c in law["counts"].items()))
     lines.append("validation (leave-one-out, predicted vs measured total):")
     for v in result["validation"]:
         lines.append(f"  W={v['world_size']:<4} {v['predicted_total_s']:.3f} s vs "
@@ -69,7 +74,7 @@ def plot(cfg: sim.SimConfig, measured_path, path: str) -> str:
     gpus = sweep_gpus(cfg)
     scfg = dataclasses.replace(cfg, gpus=tuple(gpus))
     measured = sim.load_measured(measured_path)
-    laws = sim.fit_phases(measured["runs"], scfg)
+    laws = sim.phase_laws(measured, scfg)
     at = [sim.strategies_at(scfg, laws, g) for g in gpus]
     fig, ax = plt.subplots(figsize=(8, 5.2))
     for s in sim.STRATEGIES:
@@ -134,6 +139,10 @@ def add_arguments(sp) -> None:
         sp.add_argument(flag, type=float, default=default, help=f"{what} (default {default})")
     sp.add_argument("--measured", default=None, metavar="R.json",
                     help="bench recovery --json output (default docs/data/bench_recovery.json)")
+    sp.add_argument("--law", choices=sim.LAWS, default="auto",
+                    help="each recovery phase against W: 'counts', the work a survivor does "
+                    "(bench recovery --counts) x unit costs; 'fit', the phase time fitted "
+                    "directly; 'auto': counts when the file has them (default)")
     sp.add_argument("--peers", default=None, metavar="peers.json",
                     help="bench peers' result: project each peer system beside DeadPool "
                          "from its measured restart pieces (docs/peers.md)")

@@ -45,6 +45,7 @@ class DeadpoolConfig:
     # --deadpool-straggler-swap FACTOR:WINDOW: a node whose ranks' compute time per
     # iteration stays above FACTOR x the median for WINDOW iterations is drained
     straggler_swap: Optional[Tuple[float, int]] = None
+    count_work: bool = False  # --deadpool-count-work: base/counts.py, bench recovery --counts
     # startup/save/eval/data -> seconds (STEP's is progress_timeout_s); defaults filled in
     section_timeouts_s: Mapping[str, float] = field(default_factory=dict)
 
@@ -121,6 +122,7 @@ class DeadpoolConfig:
             mirror_transport=getattr(args, "deadpool_mirror_transport", "socket"),
             drain_source=getattr(args, "deadpool_drain_source", "buddy"),
             straggler_swap=parse_straggler_swap(getattr(args, "deadpool_straggler_swap", None)),
+            count_work=bool(getattr(args, "deadpool_count_work", False)),
             section_timeouts_s=parse_section_timeouts(
                 getattr(args, "deadpool_section_timeouts", None) or ""),
         )
@@ -261,6 +263,9 @@ def add_deadpool_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    default=d.mirror_transport, help="how snapshots reach the buddies: "
                    "'socket', a TCP connection per (rank, buddy) pair, or 'gloo', the mirror's "
                    "gloo group, which runs the collectives either way (default %(default)s)")
+    g.add_argument("--deadpool-count-work", action="store_true", help="count each recovery "
+                   "phase's store operations too (its groups, connections and mirror traffic "
+                   "are always counted): the recovery reports carry them (bench recovery)")
     _add_drain_args(g, d)
     return parser
 

@@ -61,7 +61,8 @@ def _mse(law: Law, ws: Sequence[float], ys: Sequence[float]) -> float:
     return sum((law(w) - y) ** 2 for w, y in zip(ws, ys)) / len(ys)
 
 
-def _fit_form(form: str, ws: Sequence[float], ys: Sequence[float]) -> Law:
+def _fit_form(form: str, ws: Sequence[float], ys: Sequence[float],
+              through_origin_if_negative: bool = True) -> Law:
     mean_y = sum(ys) / len(ys)
     if form == "O(1)":
         law = Law(form, (mean_y,))
@@ -72,14 +73,19 @@ def _fit_form(form: str, ws: Sequence[float], ys: Sequence[float]) -> Law:
     b = sum((x - mx) * (y - mean_y) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
     b = max(b, 0.0)
     a = mean_y - b * mx
-    if a < 0:  # keep the law non-negative: fit through the origin
+    if a < 0 and through_origin_if_negative:  # keep the law non-negative
         a, b = 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
     law = Law(form, (a, b))
     return Law(form, law.coef, _mse(law, ws, ys))
 
 
-def fit(ws: Sequence[float], ys: Sequence[float], penalty_rel: float = PENALTY_REL) -> Law:
-    """The chosen law for costs ``ys`` (seconds) measured at world sizes ``ws``."""
+def fit(ws: Sequence[float], ys: Sequence[float], penalty_rel: float = PENALTY_REL,
+        exact: bool = False) -> Law:
+    """The chosen law for costs ``ys`` (seconds) measured at world sizes ``ws``. ``exact``:
+    counts, not times (no noise penalty, and a negative intercept is kept: W - 1
+    connections is a + b W with a = -1)."""
+    if exact:
+        penalty_rel = 0.0
     if len(ws) != len(ys) or not ws:
         raise FitError("need the same, non-zero number of world sizes and costs")
     if any(w < 1 for w in ws) or any(y < 0 or math.isnan(y) for y in ys):
@@ -91,7 +97,7 @@ def fit(ws: Sequence[float], ys: Sequence[float], penalty_rel: float = PENALTY_R
     best = const
     best_score = const.mse
     for form in FORMS[1:]:
-        law = _fit_form(form, ws, ys)
+        law = _fit_form(form, ws, ys, through_origin_if_negative=not exact)
         if law.coef[1] <= 0:
             continue
         score = law.mse + penalty

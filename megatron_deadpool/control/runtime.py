@@ -214,7 +214,8 @@ class Runtime:
             return None
         (timer, report), self._first_step = self._first_step, None
         timer.stop()  # the first step
-        report.update(phases_s=timer.durations, t_done=time.time())  # wall clock
+        report.update(phases_s=timer.durations, counts=timer.counts,
+                      t_done=time.time())  # wall clock
         self.member.report_recovery(self.plan.gen, self.state.rank, report)
         self.recoveries.append(report)
         return report

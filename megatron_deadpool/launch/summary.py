@@ -10,6 +10,7 @@ from typing import Dict, List
 from ..membership.plan import Plan
 from ..membership.procs import ProcState
 from ..mirror import persist
+from ..base import counts
 from ..base.state import Role
 from ..base.vocabulary import PHASE_ORDER
 from .options import LaunchOptions
@@ -178,6 +179,11 @@ def _recovery(plan: Plan, coord, world_size: int) -> dict:
         "ranks_reported": len(reports),
         # where each promoted spare's state came from: "buddy", or a drain's "direct"
         "state_from": {str(x["rank"]): x["state_from"] for x in reports if x.get("state_from")},
+        # per phase, the most work one survivor and one promoted spare did (base/counts.py)
+        "counts": counts.per_phase_max([x.get("counts") or {} for x in reports
+                                        if x["rank"] not in plan.spare_of_rank], PHASE_ORDER),
+        "counts_spare": counts.per_phase_max([x.get("counts") or {} for x in reports
+                                              if x["rank"] in plan.spare_of_rank], PHASE_ORDER),
         # superseded: a further failure during this recovery moved on to a newer generation
         "superseded": not reports,
     }

@@ -41,11 +41,12 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..base import counts
 from ..base.errors import DeadpoolError, TransportTimeout
 from ..membership import auth
 from . import handshake
 from .frames import LENGTH, PeerLost, Recv, Send  # noqa: F401 - LENGTH: impostor.py's
-from .transport import MirrorTransport, TransportContext, register_transport
+from .transport import MirrorTransport, TransportContext, count_messages, register_transport
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,7 @@ class SocketTransport(MirrorTransport):
         except OSError as exc:
             raise PeerLost(f"mirror connect to rank {dst} at {addr}: {exc}") from exc
         s.setblocking(False)
+        counts.add("connections")
         with self._arrived:
             self._keys[s], self._seq[s] = key, 0
         self._out[dst] = s
@@ -175,6 +177,7 @@ class SocketTransport(MirrorTransport):
     def _admit(self, peer: int, s: socket.socket, key: bytes) -> None:
         """(accept thread) ``s`` proved to be ``peer``'s: the newest connection serves."""
         s.setblocking(False)
+        counts.add("connections")
         with self._arrived:
             self._keys[s], self._seq[s] = key, 0
             old = self._in.pop(peer, None)
@@ -202,6 +205,7 @@ class SocketTransport(MirrorTransport):
         self._check_open()
         self._limit = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + self._limit
+        count_messages(sends, recvs)
         out = [self._framed(Send, self._out_conn(dst, deadline), buf) for dst, buf in sends]
         into = [self._framed(Recv, self._in_conn(src, deadline), buf, src)
                 for src, buf in recvs]

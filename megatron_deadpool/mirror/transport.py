@@ -28,7 +28,20 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..base import counts
 from ..base.errors import ConfigError, TransportTimeout
+
+
+def count_messages(*pairs: Sequence[Tuple[int, torch.Tensor]]) -> None:
+    """Count the messages and bytes of an exchange's sends and receives (base/counts.py)."""
+    for pair in pairs:
+        counts.add("messages", len(pair))
+        counts.add("bytes", sum(buf.numel() * buf.element_size() for _, buf in pair))
+
+
+def count_collective(nbytes: int) -> None:
+    counts.add("messages")
+    counts.add("bytes", nbytes)
 
 
 class MirrorTransport(abc.ABC):
@@ -110,18 +123,21 @@ class GlooTransport(MirrorTransport):
 
     def exchange(self, sends, recvs, timeout_s=None) -> None:
         dist = self._dist
+        count_messages(sends, recvs)
         works = [dist.irecv(buf, src=src, group=self.group) for src, buf in recvs]
         works += [dist.isend(buf, dst=dst, group=self.group) for dst, buf in sends]
         self._wait(works, timeout_s, "exchange")
 
     def all_ok(self, ok: bool, timeout_s=None) -> bool:
         t = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        count_collective(8)
         self._wait([self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self.group,
                                           async_op=True)], timeout_s, "commit")
         return bool(t.item())
 
     def all_gather_int(self, value: int, timeout_s=None) -> List[int]:
         out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        count_collective(8 * self.world_size)  # what arrives: one value per rank
         self._wait([self._dist.all_gather(out, torch.tensor([int(value)], dtype=torch.int64),
                                           group=self.group, async_op=True)],
                    timeout_s, "all_gather")
@@ -134,6 +150,7 @@ class GlooTransport(MirrorTransport):
         mine = torch.zeros(n, dtype=torch.uint8)
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         out = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world_size)]
+        count_collective(n * self.world_size)
         self._wait([self._dist.all_gather(out, mine, group=self.group, async_op=True)],
                    timeout_s, "all_gather")
         return [json.loads(bytes(t[:k].tolist())) for t, k in zip(out, sizes)]

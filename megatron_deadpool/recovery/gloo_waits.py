@@ -156,10 +156,13 @@ def abandon_all() -> int:
 
 def install() -> None:
     """Wrap ``torch.distributed``'s ``isend``/``irecv`` (under both names that
-    ``batch_isend_irecv`` and ``P2POp`` check them by) and ``COLLECTIVES`` so that a gloo
-    operation's wait is an ``AbortableWork``'s."""
+    ``batch_isend_irecv`` and ``P2POp`` check them by), ``COLLECTIVES`` and the coalescing
+    manager (``_abortable_coalescing``) so that a gloo operation's wait is an
+    ``AbortableWork``'s."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
+
+    _install_coalescing(dist, c10d)
 
     for name in ("isend", "irecv") + COLLECTIVES:
         orig = getattr(c10d, name, None)
@@ -231,3 +234,51 @@ def _abortable(orig):
         return None
 
     return _mark(collective, orig)
+
+
+def _install_coalescing(dist, c10d) -> None:
+    """torch's ``_coalescing_manager`` waits on its work itself when the block ends (Megatron's
+    data-parallel reduce-scatter and all-gather of buckets): wrapped under torch's names and
+    under any module's that imported it already (megatron-core's param_and_grad_buffer)."""
+    import sys
+
+    orig = getattr(c10d, "_coalescing_manager", None)
+    if orig is None or getattr(orig, "_deadpool_abortable", False):
+        return
+    wrapped = _abortable_coalescing(orig)
+    for mod in [c10d, dist, *list(sys.modules.values())]:
+        try:
+            if getattr(mod, "_coalescing_manager", None) is orig:
+                setattr(mod, "_coalescing_manager", wrapped)
+        except Exception:  # noqa: BLE001 - a module whose attribute access misbehaves
+            continue
+
+
+def _abortable_coalescing(orig):
+    """On a gloo group the block's ops run asynchronously and their works are waited on as
+    ``AbortableWork``s: at the block's end if the caller asked for a blocking block, else
+    by the caller's ``cm.wait()``."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def coalescing(group=None, device=None, async_ops=False):
+        if not _on_gloo({"group": group}) or (device is not None and
+                                                torch_device_type(device) != "cpu"):
+            with orig(group=group, device=device, async_ops=async_ops) as cm:
+                yield cm
+            return
+        with orig(group=group, device=device, async_ops=True) as cm:
+            yield cm
+        cm.works[:] = [w if w is None or isinstance(w, AbortableWork) else AbortableWork(w)
+                       for w in cm.works]
+        if not async_ops:
+            cm.wait()
+            cm.works.clear()
+
+    return _mark(coalescing, orig)
+
+
+def torch_device_type(device) -> str:
+    import torch
+
+    return torch.device(device).type

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
+from ..base import counts
 from ..base.state import Role
 from ..base.vocabulary import Event, Phase
 
@@ -52,21 +53,25 @@ class PhaseTimer:
     def __init__(self, sink: EventSink, generation: int, rank: int):
         self.sink, self.generation, self.rank = sink, generation, rank
         self.durations: Dict[str, float] = {}
+        self.counts: Dict[str, Dict[str, int]] = {}  # per phase: base/counts.py's kinds
         self._cur: Optional[Phase] = None
         self._t0 = 0.0
+        self._c0: Dict[str, int] = {}
 
     def start(self, phase: Phase, generation: Optional[int] = None) -> None:
         if self._cur is phase:
             return  # already running (a spare's restore starts before its attach)
         self.stop()
         self.generation = self.generation if generation is None else generation
-        self._cur, self._t0 = phase, time.perf_counter()
+        self._cur, self._t0, self._c0 = phase, time.perf_counter(), counts.snapshot()
 
     def stop(self) -> None:
         if self._cur is None:
             return
         dt = time.perf_counter() - self._t0
         self.durations[self._cur.value] = self.durations.get(self._cur.value, 0.0) + dt
+        counts.merge(self.counts.setdefault(self._cur.value, {}),
+                     counts.delta(self._c0, counts.snapshot()))
         self.sink.emit(Event.PHASE, phase=self._cur.value, duration_s=round(dt, 6),
                        generation=self.generation, rank=self.rank)
         self._cur = None

@@ -26,7 +26,7 @@ from typing import Callable, Mapping, Optional
 from ..base.sections import LOPSIDED_SECTIONS
 from ..base.vocabulary import Event
 from . import abort as ab
-from . import gloo_waits
+from . import counting, gloo_waits
 from .shared_groups import shared_gloo_groups
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ class World:
         self._lock = threading.Lock()
         # what else an abort must wake: the mirror's own connections (protected.py)
         self.on_abort: Callable[[], None] = _nothing
+        counting.install()  # every group creation, counted (base/counts.py)
         if backend == "gloo":
             gloo_waits.install()  # a wait the socket shutdown does not reach: the abort ends it
 
@@ -104,10 +105,10 @@ class World:
         self._form_timeout_s = self.form_timeout_s(gen)
         store = ab.generation_store(store)  # a group creation's store wait ends at the abort
         with ab.communicator_sockets():  # the abort shuts these down, and only these
-            dist.init_process_group(backend=self.backend,
-                                    store=dist.PrefixStore(f"gen{gen}/", store), rank=rank,
-                                    world_size=world_size,
-                                    timeout=timedelta(seconds=self._form_timeout_s))
+            dist.init_process_group(backend=self.backend, store=dist.PrefixStore(
+                f"gen{gen}/", counting.generation_store(store)), rank=rank,
+                world_size=world_size, timeout=timedelta(seconds=self._form_timeout_s))
+        counting.count_group(self.backend, world_size)
         with self._lock:
             self._live_gen = gen
             self.aborted = False
