@@ -66,6 +66,8 @@ def aggregate(world_size: int, samples: List[dict], shard_bytes: Optional[int]) 
     if any(s.get("counts") for s in samples):  # --counts: exact, so every run must agree
         out["counts"], out["counts_spare"] = samples[0]["counts"], samples[0]["counts_spare"]
         out["counts_agree"] = all(s["counts"] == samples[0]["counts"] for s in samples)
+        for mine, s in zip(out["samples"], samples):
+            mine["counts"] = s["counts"]
     return out
 
 
