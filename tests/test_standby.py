@@ -33,16 +33,26 @@ def _plan(gen, rank_of):
     return Plan(gen=gen, world_size=2, rank_of=rank_of, node_of_rank=(0, 1))
 
 
-def test_a_standby_spare_blocks_in_the_store_until_a_plan_names_it():
+def _standby_spare(counted: bool):
+    """A coordinator with generation 0's plan, and a spare (lid 2) whose watcher runs as
+    admit() starts it; ``counted``: its main connection counts its store operations."""
     server = st.connect("127.0.0.1", 0, 30.0, is_master=True)
     coord = st.Coordinator(server, SECRET)
     coord.publish_plan(_plan(0, {0: 0, 1: 1}))
     spare = mb.Member(lid=2, node=1, host="127.0.0.1", port=server.port, secret=SECRET,
                       heartbeat_interval_s=0.1, rendezvous_timeout_s=5.0)
-    spare.coord.raw = counting = Counting(spare.coord.raw)
-    spare._watcher = threading.Thread(target=spare._watch, daemon=True,  # as admit() does
+    if counted:
+        spare.coord.raw = Counting(spare.coord.raw)
+    spare._watcher = threading.Thread(target=spare._watch, daemon=True,
                                       args=(dict, lambda gen: None, lambda why: None))
     spare._watcher.start()
+    coord.server = server  # kept alive with the coordinator
+    return coord, spare
+
+
+def test_a_standby_spare_blocks_in_the_store_until_a_plan_names_it():
+    coord, spare = _standby_spare(counted=True)
+    counting = spare.coord.raw
     got = []
     waiter = threading.Thread(target=lambda: got.append(spare.wait_for_plan(1, None)),
                               daemon=True)
@@ -61,14 +71,7 @@ def test_a_standby_spare_blocks_in_the_store_until_a_plan_names_it():
 
 
 def test_a_stop_ends_a_standby_spares_wait():
-    server = st.connect("127.0.0.1", 0, 30.0, is_master=True)
-    coord = st.Coordinator(server, SECRET)
-    coord.publish_plan(_plan(0, {0: 0, 1: 1}))
-    spare = mb.Member(lid=2, node=1, host="127.0.0.1", port=server.port, secret=SECRET,
-                      heartbeat_interval_s=0.1, rendezvous_timeout_s=5.0)
-    spare._watcher = threading.Thread(target=spare._watch, daemon=True,
-                                      args=(dict, lambda gen: None, lambda why: None))
-    spare._watcher.start()
+    coord, spare = _standby_spare(counted=False)
     ended = []
 
     def wait():

@@ -88,22 +88,6 @@ def counting_store(store):
             super().__init__()
             self.inner = inner
 
-        def set(self, key, value):
-            counts.add("store_ops")
-            return self.inner.set(key, value)
-
-        def get(self, key):
-            counts.add("store_ops")
-            return self.inner.get(key)
-
-        def add(self, key, value):
-            counts.add("store_ops")
-            return self.inner.add(key, value)
-
-        def check(self, keys):
-            counts.add("store_ops")
-            return self.inner.check(keys)
-
         def wait(self, keys, timeout=None):
             counts.add("store_ops")
             if timeout is None:
@@ -111,18 +95,23 @@ def counting_store(store):
             return self.inner.wait(keys, timeout if isinstance(timeout, timedelta)
                                    else timedelta(seconds=float(timeout)))
 
-        def compare_set(self, key, expected, desired):
-            counts.add("store_ops")
-            return self.inner.compare_set(key, expected, desired)
-
-        def delete_key(self, key):
-            counts.add("store_ops")
-            return self.inner.delete_key(key)
-
         def num_keys(self):
             return self.inner.num_keys()
 
         def set_timeout(self, timeout):
             return self.inner.set_timeout(timeout)
 
+    for name in COUNTED_OPS:  # torch's C++ finds an override by name, on the class
+        setattr(CountingStore, name, _counted(name))
     return CountingStore(store)
+
+
+COUNTED_OPS = ("set", "get", "add", "check", "compare_set", "delete_key")
+
+
+def _counted(name: str):
+    def op(self, *args):
+        counts.add("store_ops")
+        return getattr(self.inner, name)(*args)
+    op.__name__ = name
+    return op
