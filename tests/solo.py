@@ -92,6 +92,9 @@ class SoloTransport:
     def all_gather_json(self, obj, timeout_s=None):
         return [obj]
 
+    def gather_from(self, value, ranks, timeout_s=None):
+        return {r: value for r in ranks}
+
 
 def protect(model, optimizer, scheduler, state, replicas: int = 0):
     """``Protected.attach`` as the runtime calls it, for a world of one (one node)."""

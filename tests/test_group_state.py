@@ -13,6 +13,7 @@ SCRIPT = textwrap.dedent("""
     from megatron_deadpool.adapters import shard
     from megatron_deadpool.adapters import train_state as ts
     from megatron_deadpool.mirror.mirror import Mirror
+    from megatron_deadpool.mirror.rounds import StoreRounds
     from megatron_deadpool.control.protected import MirrorSettings, Protected
 
     class GroupStepAdam(torch.optim.Optimizer):
@@ -60,6 +61,7 @@ SCRIPT = textwrap.dedent("""
                   + shard.unreplicated_tensors(model, 1))
     m.transport, m.buddies, m.holds, m._sizes = solo.SoloTransport(), [], [], None
     p.mirror = m
+    p._rounds = StoreRounds(torch.distributed.HashStore(), 0, 1)  # as connect() makes it
     p._initial_commit_pending = True
     p.before_step(0)
     for _ in range(3):

@@ -34,7 +34,7 @@ class _Dropping(_Pair):
 
         class End:
             world_size = 2
-            all_gather_int, all_ok = inner.all_gather_int, inner.all_ok
+            gather_from, all_ok = inner.gather_from, inner.all_ok
 
             def exchange(self, sends, recvs, timeout_s=None):
                 inner.exchange(sends, recvs, timeout_s)

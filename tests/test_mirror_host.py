@@ -17,9 +17,9 @@ class _Transport:
     def __init__(self):
         self.calls = []
 
-    def all_gather_int(self, v, timeout_s=None):
-        self.calls.append("all_gather_int")
-        return [v, v]
+    def gather_from(self, v, ranks, timeout_s=None):
+        self.calls.append("gather_from")
+        return {r: v for r in ranks}
 
     def exchange(self, sends, recvs, timeout_s=None):
         self.calls.append("exchange")
@@ -189,8 +189,8 @@ class _Pair:
         class End:
             world_size = 2
 
-            def all_gather_int(self, v, timeout_s=None):
-                return [v, v]
+            def gather_from(self, v, ranks, timeout_s=None):
+                return {r: v for r in ranks}
 
             def exchange(self, sends, recvs, timeout_s=None):
                 pair.box[rank] = [src.clone() for _, src in sends]

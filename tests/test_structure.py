@@ -18,7 +18,7 @@ LAYERS = [
     ("mechanisms", {
         "membership": ["auth", "assign", "plan", "procs", "local_restart", "startup", "records", "store",
                        "drain", "straggler", "decider", "member"],
-        "mirror": ["placement", "snapshot", "transport", "frames", "socket_transport", "handshake",
+        "mirror": ["placement", "snapshot", "transport", "rounds", "frames", "socket_transport", "handshake",
                    "metadata", "impostor", "threads", "d2h", "cost", "meter", "flat", "commit",
                    "held", "jobs", "mirror", "persist", "handoff"],
         "adapters": ["support", "shard", "extra_state", "train_state", "cpu_standins", "cpu_mode", "lm_rules",

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from megatron_deadpool.mirror.rounds import StoreRounds
 from megatron_deadpool.mirror.socket_transport import SocketTransport
 from megatron_deadpool.base.errors import ConfigError
 from megatron_deadpool.mirror.transport import (GlooTransport, TransportContext,
@@ -47,6 +48,8 @@ def _conformance(t, rank):
     assert t.all_gather_json({"r": rank, "own": [rank, 5]}) == [
         {"r": r, "own": [r, 5]} for r in range(WORLD)]
     assert t.all_gather_int(rank + 7) == [7 + r for r in range(WORLD)]
+    assert t.gather_from(rank * 10, [(rank - 1) % WORLD]) == {(rank - 1) % WORLD:
+                                                              ((rank - 1) % WORLD) * 10}
 
 
 def _peer_death(t, rank, store):
@@ -79,10 +82,13 @@ def _worker(rank, kind, port, errq):
         store = torch.distributed.TCPStore("127.0.0.1", port, WORLD, rank == 0,
                                            wait_for_workers=False)
         torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
-        # built by name through the registry, as the runtime builds it (control/protected.py)
-        t = create_transport(kind, TransportContext(
-            torch.distributed.PrefixStore("t/", store), rank, WORLD, GlooTransport(timeout_s=60),
-            "127.0.0.1", SECRET, 0, timeout_s=60))
+        # built by name through the registry, as the runtime builds it (control/protected.py):
+        # the gloo transport's collectives are its group's, the others' the store's rounds
+        gen = torch.distributed.PrefixStore("t/", store)
+        collectives = (GlooTransport(timeout_s=60) if kind == "gloo"
+                       else StoreRounds(gen, rank, WORLD, timeout_s=60))
+        t = create_transport(kind, TransportContext(gen, rank, WORLD, collectives,
+                                                    "127.0.0.1", SECRET, 0, timeout_s=60))
         _conformance(t, rank)
         _peer_death(t, rank, store)
         errq.put(None)

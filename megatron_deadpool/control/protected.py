@@ -23,6 +23,7 @@ from ..base.vocabulary import Event, Phase
 from ..mirror import handoff, meter as meters
 from ..mirror.commit import RejectionBoard
 from ..mirror.mirror import Mirror
+from ..mirror.rounds import StoreRounds
 from ..mirror.socket_transport import local_address
 from ..mirror.threads import lower_thread_priority
 from ..mirror.transport import GlooTransport, TransportContext, create_transport
@@ -43,8 +44,8 @@ class MirrorSettings:
     """How this worker's mirror is built and reached (from ``DeadpoolConfig``)."""
 
     replicas: int = 1
-    create_timeout_s: float = 600.0   # the mirror group's creation (waits for every member)
-    op_timeout_s: float = 600.0       # each of its operations (GlooTransport)
+    create_timeout_s: float = 600.0   # the gloo mirror group's creation (waits for all)
+    op_timeout_s: float = 600.0       # each of the mirror's operations (and store rounds)
     transport: str = "socket"         # a name in the transport registry
     store_host: str = "127.0.0.1"     # a listener is published on the route toward it
     secret: Optional[str] = None      # the socket transport's handshakes, signed addresses
@@ -54,8 +55,7 @@ class MirrorSettings:
 
     @property
     def transport_name(self) -> str:
-        """The registered transport the mirror uses: the chosen one, or with no buddies
-        (``replicas`` 0) the gloo group alone, which runs the commit's collectives."""
+        """The registered transport: the chosen one, or with no buddies the gloo group."""
         return self.transport if self.replicas else "gloo"
 
 
@@ -71,6 +71,7 @@ class Protected:
         self.slots: Optional[GroupSlots] = None
         self.reaper = Reaper()
         self._transport = self._old_transport = None
+        self._rounds: Optional[StoreRounds] = None  # this generation's (connect)
         self._board: Optional[RejectionBoard] = None  # this generation's (commit.py)
         self._refused = 0  # mirror connections refused by earlier generations' listeners
         self.restored_meta: Optional[dict] = None
@@ -115,27 +116,31 @@ class Protected:
         self._initial_commit_pending = True
 
     def connect(self, plan) -> None:
-        """Create the mirror's group: a world-wide collective, made right after the
-        model-parallel groups, so that every group exists before any rank builds (a promoted
-        spare) or restores its state. Its transport comes from the registry by name."""
+        """This generation's mirror transport, from the registry by name. Its collectives are
+        rounds on the generation's store (mirror/rounds.py: O(K) work per rank); only the
+        gloo transport, whose exchange runs on it, builds a world-wide gloo group."""
         from torch.distributed import distributed_c10d as c10d
 
-        s = self.settings
-        before = meters.thread_names()
-        with communicator_sockets():  # the generation's abort shuts its connections down
-            gloo = GlooTransport(timeout_s=s.op_timeout_s, create_timeout_s=s.create_timeout_s)
-        # the mirror group's I/O thread and workers (training groups' threads existed before)
-        tids = meters.started_threads(before, meters.GLOO_THREAD_NAMES)
-        for tid in tids:
-            lower_thread_priority(tid)
-        self.meter.gloo_threads(tids)
-        store = c10d._get_default_store()  # this generation's (world.py)
+        s, store = self.settings, c10d._get_default_store()  # this generation's (world.py)
+        rank, world = c10d.get_rank(), c10d.get_world_size()
+        self._rounds = StoreRounds(store, rank, world, s.op_timeout_s)
+        collectives = self._mirror_group() if s.transport_name == "gloo" else self._rounds
         self._transport = create_transport(s.transport_name, TransportContext(
-            store, gloo.rank, gloo.world_size, gloo, s.store_host, s.secret, plan.gen,
-            s.op_timeout_s))
+            store, rank, world, collectives, s.store_host, s.secret, plan.gen, s.op_timeout_s))
         self._board = RejectionBoard(store)
         if self.mirror is not None:
             self.mirror.set_topology(self._transport, plan.node_of_rank, self._board)
+
+    def _mirror_group(self) -> GlooTransport:
+        """A world-wide gloo group for the gloo transport (the abort shuts it down)."""
+        s, before = self.settings, meters.thread_names()
+        with communicator_sockets():
+            gloo = GlooTransport(timeout_s=s.op_timeout_s, create_timeout_s=s.create_timeout_s)
+        tids = meters.started_threads(before, meters.GLOO_THREAD_NAMES)  # its I/O threads
+        for tid in tids:
+            lower_thread_priority(tid)
+        self.meter.gloo_threads(tids)
+        return gloo
 
     def _wrap_optimizer_step(self, optimizer, fault_points) -> None:
         orig = optimizer.step
@@ -212,8 +217,7 @@ class Protected:
             self._transport.abort()
 
     def release_groups(self) -> None:
-        """Once the world is destroyed: the old groups that the model, the optimizer and the
-        mirror still hold die on the reaper thread, not in the next ``rebind`` (reaper.py)."""
+        """Once the world is destroyed: the old groups still held die on the reaper thread."""
         old = self.slots.release() if self.slots is not None else []
         ddp.drop_pending(self.model or ())  # bucket handles on the dead groups: never waited
         if self._old_transport is not None:
@@ -223,9 +227,8 @@ class Protected:
         self.reaper.drop(old)
 
     def rebind(self, plan, audit: str, old_groups) -> Optional[dict]:
-        """Point every holder of a group at the new generation's, and the mirror at its new
-        group and placement; then audit the rebind (``--deadpool-audit``): its event's
-        fields, or None."""
+        """Point every holder of a group at the new generation's, the mirror at its transport
+        and placement; then audit the rebind (``--deadpool-audit``): its event, or None."""
         self.slots.rebind()
         self.connect(plan)
         return audit_rebind(audit, self.slots, old_groups, self._settle_groups)
@@ -249,7 +252,8 @@ class Protected:
         """Restore the newest iteration held for every rank (``restore.py``); returns it."""
         self._initial_commit_pending = False
         self.meter.restored()  # the first step after a restore waits for no snapshot
-        chosen, meta = restore.execute(self.mirror, self.optimizer, self.model, rank)
+        chosen, meta = restore.execute(self.mirror, self.optimizer, self.model, rank,
+                                       self._rounds)
         self._apply(meta)
         return chosen
 
@@ -268,8 +272,7 @@ class Protected:
         self.restored_meta = meta
 
     def settle_snapshot(self) -> None:
-        """A planned swap's boundary: the snapshot in flight is copied, sent to the buddies
-        and verified there (MirrorError if it failed: the swap becomes a failure's)."""
+        """A planned swap's boundary: the snapshot in flight lands at the buddies (or raises)."""
         with self.meter.on_main():
             self.mirror.wait()
 
@@ -305,9 +308,8 @@ class Protected:
                 "mirror_refused_peers": self._refused + getattr(self._transport, "refused", 0)}
 
     def close(self, abort=None) -> None:
-        """Stop the mirror thread. ``abort()`` first when a snapshot job is still running: it
-        may be blocked on a dead peer, and a thread left in native code when the process
-        exits ends it in std::terminate. Released groups die first (reaper.py)."""
+        """Stop the mirror thread; ``abort()`` first if a snapshot job still runs (blocked on a
+        dead peer, a thread left in native code at exit ends in std::terminate)."""
         self.reaper.wait(REAPER_WAIT_S)
         if self.mirror is None:
             return

@@ -5,7 +5,7 @@ rewritten), and which have passed their checksum. Owned by ``Mirror`` (mirror.py
 from __future__ import annotations
 
 import logging
-from typing import Dict, Iterable, List, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Mapping, Sequence, Set, Tuple
 
 import torch
 
@@ -22,7 +22,7 @@ class HeldCopies:
         self.iters: Dict[int, List[int]] = {}
         self.crc_checked: Set[Tuple[int, int]] = set()  # (owner, slot index) whose CRC held
 
-    def allocate(self, owners: Iterable[int], sizes: Sequence[int]) -> None:
+    def allocate(self, owners: Iterable[int], sizes: Mapping[int, int]) -> None:
         """Two receive slots per owner, of its slot size. Not pinned: buddy copies travel
         over the CPU transport, never to a device. Copies of owners no longer held (the
         placement changed) stay valid, and restorable, until ``drop_owners_not_in``."""

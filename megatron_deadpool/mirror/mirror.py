@@ -15,7 +15,7 @@ flight, and job k must be done before step k+1 may overwrite the state it reads.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -55,7 +55,7 @@ class Mirror:
         self.own: List[torch.Tensor] = []
         self.own_iter = [-1, -1]
         self.held = HeldCopies(job)  # the copies of the owners this rank is a buddy of
-        self._sizes: Optional[List[int]] = None  # every rank's slot size (one generation)
+        self._sizes: Optional[Dict[int, int]] = None  # held owners' slot sizes (a generation)
         self.fault_hook: Optional[Callable[[int], None]] = None  # after the seal (faults)
         self.on_committed: Optional[Callable[[int], None]] = None  # e.g. fallback saves
         # (holder, owner, iteration, why), on the mirror thread: recovery/alarms.py
@@ -208,7 +208,7 @@ class Mirror:
 
     def _alloc_recv(self) -> None:
         if self._sizes is None:
-            self._sizes = self.transport.all_gather_int(self.layout.total_bytes)
+            self._sizes = self.transport.gather_from(self.layout.total_bytes, self.holds)
             self.held.allocate(self.holds, self._sizes)
 
     def _exchange_and_commit(self, iteration: int, skip=frozenset(),

@@ -37,7 +37,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -88,9 +88,9 @@ def local_address(toward: str, route=_route_source, environ=os.environ) -> str:
 
 @register_transport("socket")
 def _create(ctx: TransportContext) -> "SocketTransport":
-    if ctx.secret is None or ctx.gloo is None:
-        raise DeadpoolError("the socket mirror transport needs the job secret and a gloo group")
-    return SocketTransport(ctx.store, ctx.rank, ctx.world_size, ctx.gloo, local_address(
+    if ctx.secret is None or ctx.collectives is None:
+        raise DeadpoolError("the socket mirror transport needs the job secret and collectives")
+    return SocketTransport(ctx.store, ctx.rank, ctx.world_size, ctx.collectives, local_address(
         ctx.store_host), ctx.secret, ctx.gen, timeout_s=ctx.timeout_s)
 
 
@@ -245,6 +245,9 @@ class SocketTransport(MirrorTransport):
 
     def all_gather_json(self, obj, timeout_s=None) -> List:
         return self.collectives.all_gather_json(obj, timeout_s)
+
+    def gather_from(self, value, ranks, timeout_s=None) -> Dict[int, Any]:
+        return self.collectives.gather_from(value, ranks, timeout_s)
 
     def _sockets(self) -> List[socket.socket]:
         with self._arrived:

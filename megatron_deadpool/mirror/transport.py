@@ -5,7 +5,11 @@ Every implementation passes the same conformance test (tests/test_transport.py).
     exchange(sends=[(dst, buf)], recvs=[(src, buf)])   point-to-point, all at once, blocking
     all_ok(flag) -> bool                               True iff every member passed True
     all_gather_int(v) -> [v of rank 0, 1, ...]         (slot sizes)
-    all_gather_json(obj) -> [obj of rank 0, 1, ...]    (restore inventories)
+    all_gather_json(obj) -> [obj of rank 0, 1, ...]
+    gather_from(v, ranks) -> {rank: v of rank}         (a holder's owners' slot sizes)
+
+The collectives go to the generation's store as rounds (rounds.py: O(K) work per rank for
+what the mirror asks), or, for the gloo transport, to its world-wide gloo group.
 
 Transports are built by name through a registry, the way torch elastic registers its
 rendezvous backends: ``create_transport(name, TransportContext)``. A new transport is one
@@ -70,6 +74,14 @@ class MirrorTransport(abc.ABC):
     @abc.abstractmethod
     def all_gather_json(self, obj, timeout_s: Optional[float] = None) -> List:
         """Every member's JSON-serializable object, in rank order."""
+
+    def gather_from(self, value, ranks: Sequence[int], timeout_s: Optional[float] = None
+                    ) -> Dict[int, Any]:
+        """Collective: every member gives its JSON value and gets those of ``ranks`` (a
+        holder, its owners' slot sizes). Here through ``all_gather_json``; the store's
+        rounds read only those ranks (rounds.py)."""
+        every = self.all_gather_json(value, timeout_s)
+        return {r: every[r] for r in ranks}
 
     # Lifecycle. The generation's abort (recovery/abort.py) shuts down the connections of
     # the communicators (the gloo group's among them) and then calls ``abort`` (World.on_abort),
@@ -163,7 +175,8 @@ class TransportContext:
     store: Any                          # this generation's c10d store
     rank: int
     world_size: int
-    gloo: Optional[MirrorTransport]     # the mirror's own gloo group (its collectives)
+    collectives: Any                    # all_ok / gather_from / all_gather_*: the store's
+                                        # rounds (rounds.py) or a gloo group (GlooTransport)
     store_host: str = "127.0.0.1"       # the store's host: a listener is published on the
                                         # route toward it (the factory resolves its address)
     secret: Optional[str] = None        # the job's (handshakes, signed addresses)
@@ -204,6 +217,6 @@ def create_transport(name: str, ctx: TransportContext) -> MirrorTransport:
 
 @register_transport("gloo")
 def _gloo(ctx: TransportContext) -> MirrorTransport:
-    if ctx.gloo is None:
+    if not isinstance(ctx.collectives, GlooTransport):
         raise ConfigError("the gloo mirror transport needs the mirror's gloo group")
-    return ctx.gloo
+    return ctx.collectives

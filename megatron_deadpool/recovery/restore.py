@@ -1,6 +1,7 @@
 """Which iteration to restore, and where each rank's state comes from (``choose_restore``,
-pure: a function of what every process of the new world holds, gathered right after the
-world is rebuilt), then doing it (``execute``).
+pure: a function of what every process of the new world holds), agreed without gathering
+every inventory (``agree``: each rank learns only what concerns it, in store rounds of O(K)
+operations), then doing it (``execute``).
 
     inventory of rank r:  own     iterations of r's own snapshot slots (a spare: none)
                           copies  {owner rank: iterations} of buddy copies r holds,
@@ -85,19 +86,73 @@ def choose_restore(inventories: Sequence[Inventory]) -> RestoreDecision:
                                 f"iteration {last}")
 
 
-def execute(mirror, optimizer, model, rank: int) -> Tuple[int, dict]:
-    """Agree on the iteration (one all-gather of inventories), move missing shards from
-    their holders, restore this rank's shard, rebuild model params and re-protect. Returns
-    (restored iteration, its snapshot metadata)."""
-    invs = [Inventory.from_json(x) for x in mirror.transport.all_gather_json(mirror.inventory())]
-    decision = choose_restore(invs)
+def coverable(own, holders: Mapping[int, frozenset]) -> frozenset:
+    """The iterations of a rank's state that exist somewhere: its own slots, or a copy held
+    by another rank (``holders``: holder -> iterations of this rank's copies it holds)."""
+    out = set(own)
+    for its in holders.values():
+        out |= its
+    return frozenset(out)
+
+
+def source_of(chosen: int, own, holders: Mapping[int, frozenset]) -> Optional[int]:
+    """Where a rank's state of ``chosen`` comes from: None (its own slot) or the lowest
+    holder of it, as ``choose_restore`` picks."""
+    if chosen in own:
+        return None
+    return min(h for h, its in holders.items() if chosen in its)
+
+
+def agree(rounds, rank: int, inv: Inventory) -> Tuple[RestoreDecision, frozenset]:
+    """``choose_restore``'s decision, as far as this rank needs it, in three store rounds
+    of O(K) operations each (mirror/rounds.py): holders tell each owner what they hold of it;
+    each rank adds itself to the counter of every iteration it can be restored at, and the
+    newest iteration all W ranks counted is chosen; each rank lacking its own copy tells its
+    holder. Returns the decision restricted to this rank (``sources``: its own source, and
+    the owners it serves) and the (owner, holder) pairs around it that already hold the
+    chosen iteration (they are not sent again)."""
+    posts = {f"holds/{o}": sorted(its) for o, its in inv.copies.items() if o != rank and its}
+    got, _ = rounds.round(posts=posts, read_posts=[f"holds/{rank}"], what="restore")
+    holders = {h: frozenset(its) for h, its in got[f"holds/{rank}"]}
+    cover = coverable(inv.own, holders)
+    got, n = rounds.round(posts={} if cover else {"lost": rank},
+                          adds={f"cover/{it}": 1 for it in cover}, read_posts=["lost"],
+                          read_counts=[f"cover/{it}" for it in cover], what="restore")
+    full = [it for it in cover if n[f"cover/{it}"] == rounds.world_size]
+    if not full:
+        lost = sorted(r for r, _ in got["lost"])
+        who = (f"the state of rank(s) {lost} is held by no living process (a rank and every "
+               "buddy holding its copy failed together)" if lost else
+               "no single iteration is held for every rank")
+        # every rank is here (the counts are the same for all): one more round, O(W) reads,
+        # names the newest iteration any rank saw committed; the job stops after it anyway
+        got, _ = rounds.round(posts={"committed": inv.committed}, read_posts=["committed"],
+                              what="restore")
+        last = max(c for _, c in got["committed"])
+        raise NoCommittedStateError(f"cannot restore from memory: {who}; last committed "
+                                    f"iteration {last}")
+    chosen = max(full)
+    src = source_of(chosen, inv.own, holders)
+    got, _ = rounds.round(posts={f"needs/{src}": chosen} if src is not None else {},
+                          read_posts=[f"needs/{rank}"], what="restore")
+    sources = {o: rank for o, _ in got[f"needs/{rank}"]}
+    if src is not None:
+        sources[rank] = src
+    held = {(rank, h) for h, its in holders.items() if chosen in its}
+    held |= {(o, rank) for o, its in inv.copies.items() if chosen in its}
+    return RestoreDecision(iteration=chosen, sources=sources), frozenset(held)
+
+
+def execute(mirror, optimizer, model, rank: int, rounds) -> Tuple[int, dict]:
+    """Agree on the iteration (``agree``: store rounds, O(K) per rank), move missing shards
+    from their holders, restore this rank's shard, rebuild model params and re-protect.
+    Returns (restored iteration, its snapshot metadata)."""
+    decision, held = agree(rounds, rank, Inventory.from_json(mirror.inventory()))
     chosen = decision.iteration
     if rank in decision.sources:
         create_optimizer_state(optimizer)
     mirror.transfer_for_restore(chosen, decision.serves(rank), decision.sources.get(rank))
     # Buddies that already hold the restored iteration (same placement) are not re-sent.
-    held = {(o, h) for h, inv in enumerate(invs) for o, its in inv.copies.items()
-            if chosen in its}
     return chosen, _load_and_reprotect(mirror, optimizer, model, chosen, held)
 
 
