@@ -91,6 +91,7 @@ def _worker(rank, kind, port, errq):
                                                     "127.0.0.1", SECRET, 0, timeout_s=60))
         _conformance(t, rank)
         _peer_death(t, rank, store)
+        t.release()  # the generation's end, as Protected.release_groups calls it
         errq.put(None)
     except BaseException:  # noqa: BLE001
         errq.put(traceback.format_exc())

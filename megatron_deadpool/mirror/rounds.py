@@ -90,6 +90,11 @@ class StoreRounds:
     def all_gather_int(self, value: int, timeout_s: Optional[float] = None) -> List[int]:
         return [int(v) for v in self.all_gather_json(int(value), timeout_s)]
 
+    def release(self) -> None:
+        """The generation is over: nothing to close (its keys went with its store prefix),
+        nothing for the reaper."""
+        return None
+
     # ------------------------------------------------------------ the store
     def _key(self, r: int, name: str) -> str:
         return f"{PREFIX}{r}/{name}"
