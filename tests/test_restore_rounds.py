@@ -15,8 +15,8 @@ from megatron_deadpool.recovery.restore import Inventory, agree, choose_restore
 
 class _Counted:
     """A store that counts each rank's operations, leaving out those that depend on who
-    arrives at a barrier last (it opens the round and drops the one before; the others
-    wait for it): every member's barrier counts as its one ``add``."""
+    arrives at a barrier last (it opens the round; the others wait for it): every member's
+    barrier counts as its one ``add``."""
 
     def __init__(self, inner):
         self.inner, self.ops = inner, 0
@@ -25,8 +25,7 @@ class _Counted:
         op = getattr(self.inner, name)
 
         def counted(*args):
-            if name not in ("delete_key", "wait") and not (name == "set"
-                                                           and args[0].endswith("/open")):
+            if name != "wait" and not (name == "set" and args[0].endswith("/open")):
                 self.ops += 1
             return op(*args)
         return counted
@@ -113,3 +112,21 @@ def test_a_member_that_never_arrives_ends_the_round_with_a_timeout():
     rounds = StoreRounds(store, 0, 2, timeout_s=0.5)
     with pytest.raises(TransportTimeout, match="not every member arrived"):
         rounds.all_ok(True)
+
+
+def test_rounds_run_on_the_generation_store_that_counts_its_operations():
+    """``--deadpool-count-work`` puts the generation's store behind a Python store under a
+    prefix (recovery/world.py); every operation the rounds use must pass through it (a
+    ``delete_key`` did not: torch's trampoline has no override for it)."""
+    from megatron_deadpool.base import counts
+    from megatron_deadpool.recovery.counting import counting_store
+
+    counted = counting_store(dist.HashStore())  # kept alive, as generation_store keeps it
+    store = dist.PrefixStore("gen3/", counted)
+    rounds = StoreRounds(store, 0, 1, timeout_s=5)
+    before = counts.snapshot()
+    for _ in range(3):
+        assert rounds.all_ok(True) and rounds.gather_from(7, [0]) == {0: 7}
+    decision, _ = agree(rounds, 0, Inventory(own=frozenset({4}), copies={}))
+    assert decision.iteration == 4
+    assert counts.delta(before, counts.snapshot())["store_ops"] > 0

@@ -106,15 +106,14 @@ class StoreRounds:
                 for i in range(1, n + 1)]
 
     def _barrier(self, r: int, timeout_s: Optional[float], what: str) -> None:
-        """Every member has arrived at round ``r``: the last to arrive opens it (and drops
-        the barrier keys of the round before, which every member has left)."""
+        """Every member has arrived at round ``r``: the last to arrive opens it. Keys are
+        not deleted (a Python store that counts operations cannot forward ``delete_key``);
+        a generation's rounds are few: attach, restore, re-protection, and one per step only
+        with the collective commit (three small keys)."""
         store, opened = self.store, self._key(r, "open")
         counts.add("messages", 2)
         if store.add(self._key(r, "arrived"), 1) == self.world_size:
             store.set(opened, "1")
-            if r > 1:
-                for name in ("arrived", "open"):
-                    store.delete_key(self._key(r - 1, name))
             return
         limit = self.timeout_s if timeout_s is None else timeout_s
         try:
