@@ -5,7 +5,7 @@ measurement is the meter's (mirror/meter.py), fault actions are bound in
 recovery/fault_points.py.
 
     attach ─► initial commit (first before_step) ─► after_step: snapshot ─► ...
-    on recovery: quiesce ─► release_groups ─► rebind(new groups, new mirror group)
+    on recovery: quiesce ─► release_groups ─► rebind(new groups, new mirror transport)
                  ─► restore(rank)
 """
 

@@ -1,5 +1,5 @@
 """The mirror's point-to-point exchange over plain TCP connections, moved by the mirror
-thread itself; the collectives (commit, sizes, inventories) stay on a gloo group.
+thread itself; the collectives (commit, sizes) are the store's rounds (rounds.py).
 
 Why: a snapshot job sends one message to each buddy and receives one from each owner. Over
 gloo each message costs a ``Work`` object, Python dispatch, and wake-ups and reads on the
