@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -46,21 +45,14 @@ def free_run(system: str, job: PeerJob, work: str) -> dict:
             "save_s": costs["save_s"], "fingerprint": info["fingerprint"]}
 
 
-def spread(xs):
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return None
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
-
-
 def summarize(pairs) -> dict:
     out = {}
     for m in METRICS:
         ratios = [p["deadpool"][m] / p["peer"][m] for p in pairs
                   if p["deadpool"][m] and p["peer"][m]]
-        out[m] = {"deadpool": spread([p["deadpool"][m] for p in pairs]),
-                  "peer": spread([p["peer"][m] for p in pairs]),
-                  "ratio": spread(ratios),
+        out[m] = {"deadpool": peer_log.summarize([p["deadpool"][m] for p in pairs]),
+                  "peer": peer_log.summarize([p["peer"][m] for p in pairs]),
+                  "ratio": peer_log.summarize(ratios),
                   "pairs_deadpool_faster": sum(r < 1 for r in ratios)}
     return out
 
