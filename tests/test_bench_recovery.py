@@ -6,7 +6,8 @@ import json
 import pytest
 
 from conftest import deadpool
-from megatron_deadpool.apps.bench_recovery import aggregate, check_world_sizes
+from megatron_deadpool.apps.bench_recovery import aggregate, check_world_sizes, trainer_flags
+from megatron_deadpool.apps.demo import DEMO_FLAGS
 from megatron_deadpool.base.errors import DeadpoolError
 from megatron_deadpool.base.vocabulary import PHASE_ORDER
 
@@ -29,6 +30,34 @@ def test_aggregate_gives_median_and_range_per_phase():
     assert out["total_s_median"] == 1.2 and out["total_s"]["max"] == 1.8
     assert out["wall_s"]["median"] == 1.0
     assert out["shard_bytes_per_rank"] == 1234
+
+
+def test_the_light_job_keeps_the_layout_and_shrinks_the_model():
+    assert trainer_flags(16, light=False) == DEMO_FLAGS
+    light = trainer_flags(64, light=True)
+    flag = dict(zip(light[::2], light[1::2]))
+    assert flag["--hidden-size"] == "8" and flag["--num-layers"] == "2"
+    assert flag["--global-batch-size"] == "16" and flag["--micro-batch-size"] == "1"
+    for same in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                 "--use-distributed-optimizer"):
+        assert same in light and light.index(same) == DEMO_FLAGS.index(same)
+    assert len(light) == len(DEMO_FLAGS)
+
+
+def test_bench_units_times_each_kind_alone(tmp_path):
+    out = tmp_path / "u.json"
+    p = deadpool(["bench", "units", "--rounds", "1", "--n", "4", "--json", str(out)],
+                 cwd=tmp_path, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert set(d["unit_s"]) == {"store_ops", "connections", "groups_created",
+                                "new_group_calls", "messages", "bytes", "group_members"}
+    assert all(v >= 0 for v in d["unit_s"].values())
+    assert d["unit_s"]["store_ops"] > 0 and d["unit_s"]["messages"] > 0
+    assert d["store_ops_per_new_group"] > 0  # the counting store saw gloo's rendezvous
+    assert "connections" in p.stdout
+    bad = deadpool(["bench", "units", "--rounds", "0"], cwd=tmp_path)
+    assert bad.returncode == 2 and "--rounds" in bad.stderr
 
 
 def test_cli_rejects_bad_world_sizes(tmp_path):

@@ -55,6 +55,8 @@ def _traffic(ps, rank):
                               with_context_parallel=True)))]
     out["tp"] = x.clone()
     dist.all_reduce(out["tp"], group=tp)
+    out["intra_opt"] = 5 * x  # every rank's group: the default group when shared
+    dist.all_reduce(out["intra_opt"], group=ps.get_intra_distributed_optimizer_instance_group())
     for w in works:
         w.wait()
     peer = dist.get_global_rank(dp, 1 - ps.get_data_parallel_rank())
@@ -87,15 +89,17 @@ def _worker(rank, port, share, q):
             return original(*a, **k)
 
         dist.new_group = counting  # a wrapper taking (*a, **k), as other tools install
-        if share:
-            with shared_gloo_groups("gloo") as shared:
+        if share:  # megatron's default distributed_timeout_minutes, as World passes it
+            with shared_gloo_groups("gloo", timedelta(minutes=30)) as shared:
                 ps.initialize_model_parallel(tensor_model_parallel_size=2)
         else:
             shared = [0]
             ps.initialize_model_parallel(tensor_model_parallel_size=2)
         same = ps.get_data_parallel_group() is ps.get_data_parallel_group_gloo()
+        world = ps.get_intra_distributed_optimizer_instance_group() is dist.group.WORLD
         q.put((rank, {"built": len(made) - shared[0], "shared": shared[0],
-                      "dp_is_dp_gloo": same, "results": _traffic(ps, rank)}))
+                      "dp_is_dp_gloo": same, "intra_opt_is_world": world,
+                      "results": _traffic(ps, rank)}))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001
         q.put((rank, traceback.format_exc()))
@@ -124,8 +128,10 @@ def test_megatrons_roles_share_gloo_groups_and_every_role_gets_the_same_results(
         s, o = shared[rank], separate[rank]
         assert s["results"] == o["results"], rank
         assert s["dp_is_dp_gloo"] and not o["dp_is_dp_gloo"]
+        assert s["intra_opt_is_world"] and not o["intra_opt_is_world"]
         assert s["shared"] > 0 and o["shared"] == 0
         assert s["built"] < o["built"]
     dp = [1.0 + 3.0] * 4  # ranks 0 and 2 (TP2: data-parallel pairs are (0,2) and (1,3))
     assert shared[0]["results"]["dp"] == dp
     assert shared[0]["results"]["p2p"] == [30.0] * 4
+    assert shared[0]["results"]["intra_opt"] == [5.0 * (1 + 2 + 3 + 4)] * 4

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from megatron_deadpool.apps import sim, sim_counts
+from megatron_deadpool.base.errors import DeadpoolError
 from megatron_deadpool.base.vocabulary import PHASE_ORDER
 
 UNIT = {"connections": 2e-3, "store_ops": 5e-4, "bytes": 1e-8, "groups_created": 1e-2}
@@ -63,7 +64,7 @@ def test_a_projection_grows_only_where_a_count_grows():
 def test_fit_units_refuses_runs_without_counts():
     r = _run(4)
     r["counts"] = None
-    with pytest.raises(sim.DeadpoolError, match="--counts"):
+    with pytest.raises(DeadpoolError, match="--counts"):
         sim_counts.fit_units([r, _run(8)])
 
 
@@ -84,3 +85,39 @@ def test_simulate_takes_the_count_law_from_a_file_with_counts(tmp_path):
         r["counts"] = None
     f.write_text(json.dumps({"runs": runs, "cpu_cores": 64}))
     assert sim.simulate(sim.SimConfig(), f)["law"] == "fit"
+
+
+def test_unit_costs_timed_one_by_one_fix_the_units_and_leave_only_the_constants():
+    runs = [_run(w, oversub=w / 2) for w in (4, 8, 16)]
+    units = sim_counts.fit_units(runs, measured=UNIT)
+    assert dict(units.unit_s) == {k: UNIT.get(k, 0.0) for k in units.unit_s}
+    for ph in PHASE_ORDER:
+        assert units.constants_s[ph] == pytest.approx(CONST.get(ph, 0.0), abs=1e-9), ph
+    # a unit cost timed too high leaves a negative remainder: the constant is 0, not < 0
+    high = sim_counts.fit_units(runs, measured=dict(UNIT, connections=1.0))
+    assert high.constants_s["rendezvous"] == 0.0
+    assert all(v["within_25pct"] for v in sim_counts.validate(runs, 0.25, UNIT))
+    bad = sim_counts.validate(runs, 0.25, dict(UNIT, connections=0.2))
+    assert not all(v["within_25pct"] for v in bad)
+
+
+def test_simulate_reads_the_unit_costs_from_the_measured_file_or_from_units(tmp_path):
+    runs = [dict(_run(w), processes=w + 2,
+                 phases_s={ph: {"median": v} for ph, v in _run(w)["phases_s"].items()})
+            for w in (4, 8, 16)]
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps({"runs": runs, "cpu_cores": 64, "unit_costs": {"unit_s": UNIT}}))
+    out = sim.simulate(sim.SimConfig(), f)
+    assert out["unit_costs"].startswith("timed one by one")
+    assert out["scaling_law"]["rendezvous"]["unit_s"]["connections"] == UNIT["connections"]
+    u = tmp_path / "u.json"
+    u.write_text(json.dumps({"unit_s": dict(UNIT, connections=4e-3)}))
+    doubled = sim.simulate(sim.SimConfig(), f, units=str(u))
+    assert doubled["scaling_law"]["rendezvous"]["unit_s"]["connections"] == 4e-3
+    assert doubled["lost_per_failure_s"]["hotswap"]["100000"] > \
+        out["lost_per_failure_s"]["hotswap"]["100000"]
+    u.write_text("not json")
+    with pytest.raises(DeadpoolError, match="--units"):
+        sim.simulate(sim.SimConfig(), f, units=str(u))
+    f.write_text(json.dumps({"runs": runs, "cpu_cores": 64}))
+    assert sim.simulate(sim.SimConfig(), f)["unit_costs"] == "fitted to the phase times"

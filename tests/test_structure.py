@@ -34,7 +34,8 @@ LAYERS = [
                            "progress", "slurm_drain"]}),
     ("applications", {"apps": ["demo", "soak", "bench", "bench_recovery", "bench_peers",
                                "peer_log", "peer_inject", "peer_systems", "report", "sim",
-                               "sim_plot", "sim_peers", "sim_counts", "drain", "cli"]}),
+                               "sim_plot", "sim_peers", "sim_counts", "sim_measured",
+                               "bench_units", "drain", "cli"]}),
 ]
 FOLDER_LAYER = {folder: i for i, (_, folders) in enumerate(LAYERS) for folder in folders}
 LAYER_OF = {(f"{folder}.{m}" if folder else m): i for i, (_, folders) in enumerate(LAYERS)

@@ -35,6 +35,22 @@ CONFIG = ("demo model, TP2 x PP2 x DP W/4, W/2 nodes x 2 processes + 1 spare nod
           f"SIGKILLed at iteration {KILL_ITER}; a phase's time is the slowest rank's")
 
 
+LIGHT = {"--num-layers": "2", "--hidden-size": "8", "--num-attention-heads": "2",
+         "--seq-length": "4", "--max-position-embeddings": "4", "--micro-batch-size": "1"}
+
+
+def trainer_flags(world_size: int, light: bool) -> List[str]:
+    """Pure: the demo model's flags, or with ``light`` a model of a few KB (2 layers of
+    hidden size 8, one sample per data-parallel rank per step): the same layout, groups,
+    membership, mirror and restore, so that W = 32 and 64 fit on 2 cores."""
+    flags = list(DEMO_FLAGS)
+    if not light:
+        return flags
+    for flag, value in {**LIGHT, "--global-batch-size": str(world_size // 4)}.items():
+        flags[flags.index(flag) + 1] = value
+    return flags
+
+
 def check_world_sizes(world_sizes: Sequence[int]) -> List[int]:
     """Pure: TP2 x PP2 needs W a multiple of 4, and node 1 must exist (W >= 4)."""
     out = sorted(set(world_sizes))
@@ -95,12 +111,12 @@ def counts_table(laws: Dict[str, Dict[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def _one(work: str, tag: str, world_size: int, inject: str, extra: List[str], log: str
-         ) -> dict:
+def _one(work: str, tag: str, world_size: int, inject: str, extra: List[str], log: str,
+         light: bool = False) -> dict:
     """One run; its first recovery (with ``counts`` and ``counts_spare``: per phase, the
     most work one survivor and one promoted spare did)."""
     rd = os.path.join(work, tag)
-    argv = DEMO_FLAGS + ["--train-iters", str(TRAIN_ITERS), "--deadpool", "--deadpool-events",
+    argv = trainer_flags(world_size, light) + ["--train-iters", str(TRAIN_ITERS), "--deadpool", "--deadpool-events",
                          os.path.join(work, f"{tag}.events.jsonl")] + extra
     s = run(LaunchOptions(nodes=world_size // PROCS_PER_NODE, procs_per_node=PROCS_PER_NODE,
                           spare_nodes=1, inject=[inject], results_dir=rd, trainer_argv=argv,
@@ -122,10 +138,18 @@ def _print_run(w: int, i: int, repeats: int, rec: dict) -> None:
 
 
 def recovery(repeats: int = 3, world_sizes: Sequence[int] = (4, 8, 16),
-             hang: bool = True, counts: bool = False) -> dict:
+             hang: bool = True, counts: bool = False, light: bool = False) -> dict:
+    """``counts``: each phase's work counted, and first (on the still idle machine) what
+    one unit of each kind costs (bench_units.py), for ``deadpool sim``'s count law."""
     sizes = check_world_sizes(world_sizes)
     if repeats < 1:
         raise DeadpoolError("--repeats must be >= 1")
+    unit_costs = None
+    if counts:
+        from .bench_units import units
+
+        print("[bench recovery] unit costs, timed one by one (2 processes):", flush=True)
+        unit_costs = units()
     work = tempfile.mkdtemp(prefix="deadpool-bench-recovery-")
     log = os.path.join(work, "workers.log")
     print(f"[bench recovery] world sizes {sizes}, {repeats} run(s) each; worker output in "
@@ -136,7 +160,7 @@ def recovery(repeats: int = 3, world_sizes: Sequence[int] = (4, 8, 16),
         for i in range(repeats):
             try:
                 samples.append(_one(work, f"w{w}-run{i}", w, f"kill:node=1@iter={KILL_ITER}",
-                                    ["--deadpool-count-work"] if counts else [], log))
+                                    ["--deadpool-count-work"] if counts else [], log, light))
             except DeadpoolError as exc:  # recorded and reported; the other runs go on
                 failed.append({"world_size": w, "run": i, "error": str(exc)})
                 print(f"W={w:<3} run {i + 1}/{repeats}: FAILED: {exc}", flush=True)
@@ -145,9 +169,11 @@ def recovery(repeats: int = 3, world_sizes: Sequence[int] = (4, 8, 16),
         if samples:
             runs.append(aggregate(w, samples, samples[-1]["shard_bytes"]))
             print(f"W={w}: median total {runs[-1]['total_s_median']:.3f} s", flush=True)
-    result = {"config": CONFIG, "runs": runs, "failed_runs": failed, "work_dir": work,
+    result = {"config": CONFIG + ("; light: a model of a few KB" if light else ""),
+              "light": light, "runs": runs, "failed_runs": failed, "work_dir": work,
               "cpu_cores": os.cpu_count()}
     if counts:
+        result["unit_costs"] = unit_costs
         result["count_laws"] = count_laws(runs)
         print("per survivor, per phase (the most one survivor did):\n"
               + counts_table(result["count_laws"]), flush=True)

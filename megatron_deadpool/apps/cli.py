@@ -136,7 +136,14 @@ def _add_bench(sub) -> None:
     br.add_argument("--no-hang", action="store_true", help="skip the SIGSTOP run")
     br.add_argument("--counts", action="store_true", help="also count each phase's work per "
                     "survivor (groups, connections, store operations, messages, bytes) and "
-                    "fit each count against W (--deadpool-count-work)")
+                    "fit each count against W (--deadpool-count-work); the unit costs "
+                    "are timed first (bench units)")
+    br.add_argument("--light", action="store_true", help="a model of a few KB, the same "
+                    "layout, membership, mirror and restore (W = 32, 64 fit on 2 cores)")
+    from .bench_units import add_arguments as add_units
+    add_units(bsub.add_parser("units", help="what one unit of each counted kind of recovery "
+                              "work costs (a store operation, a gloo connection, a group), "
+                              "timed alone by 2 processes; run it on an idle machine"))
     from .bench_peers import add_arguments as add_peers
 
     add_peers(bsub.add_parser("peers", help="DeadPool against NVRx and a whole-job relaunch "
@@ -214,12 +221,16 @@ def main(argv: Optional[List[str]] = None) -> int:
                 result = bench.overhead(rest, rounds=args.rounds, nodes=args.nodes,
                                         procs_per_node=args.procs_per_node,
                                         in_run_iters=args.in_run_iters)
+            elif args.bench == "units":
+                from .bench_units import units
+
+                result = units(rounds=args.rounds, n=args.n)
             else:
                 from .bench_recovery import recovery
 
                 result = recovery(repeats=args.repeats, hang=not args.no_hang,
                                   world_sizes=_int_list(args.world_sizes, "--world-sizes"),
-                                  counts=args.counts)
+                                  counts=args.counts, light=args.light)
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(result, f, indent=2)
@@ -268,7 +279,7 @@ def _run_sim(args) -> int:
         result = sim_peers.project(cfg, measured, sim_peers.load_pieces(args.peers))
         print("\n".join(sim_peers.format_table(result)))
     else:
-        result = sim.simulate(cfg, measured, law=args.law)
+        result = sim.simulate(cfg, measured, law=args.law, units=args.units)
         print("\n".join(sim_plot.format_table(result)))
     for w in ([] if args.peers else sim_plot.warnings(result)):
         print(w, file=sys.stderr)

@@ -10,15 +10,14 @@ its formulas and every default's source are in docs/simulator.md).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ..base import scaling
-from ..base.errors import ConfigError, DeadpoolError
+from ..base.errors import ConfigError
 from ..base.vocabulary import PHASE_ORDER
+from .sim_measured import load_measured  # noqa: F401  (sim.load_measured, its callers')
 
 DEFAULT_GPUS = (512, 4096, 100000)
 STRATEGIES = ("hotswap", "checkpoint_restart", "inprocess_restart")
@@ -115,37 +114,6 @@ def _transfer_s(nbytes: float, gbps: float) -> float:
     return nbytes * 8 / (gbps * 1e9)
 
 
-def load_measured(path) -> Dict:
-    """The ``bench recovery --json`` file; DeadpoolError naming the problem if unusable."""
-    p = Path(path)
-    if not p.exists():
-        raise DeadpoolError(f"measured recovery file {p} not found: run `deadpool bench "
-                            f"recovery --json {p.name}` and pass it with --measured")
-    try:
-        data = json.loads(p.read_text())
-        runs = [_run_point(r, data.get("cpu_cores")) for r in data["runs"]]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise DeadpoolError(f"{p}: not a bench recovery result ({exc!r})") from None
-    if len({r["world_size"] for r in runs}) < 2:
-        raise DeadpoolError(f"{p}: need runs at >= 2 distinct world sizes to fit scaling")
-    return {"runs": runs, "placeholder": bool(data.get("placeholder"))}
-
-
-def _run_point(r: Dict, cores: Optional[int]) -> Dict:
-    """``oversub``: processes per CPU core during the run (>= 1). The CPU benchmark runs
-    all W + spare processes on a few cores, so a CPU-bound phase's wall time grows with it;
-    the laws are fitted to phase / oversub (a process with a core of its own)."""
-    def med(v):
-        return float(v["median"] if isinstance(v, dict) else v)
-
-    phases = {ph: med(r["phases_s"][ph]) for ph in PHASE_ORDER}
-    procs = r.get("processes")
-    return {"world_size": int(r["world_size"]), "phases_s": phases, "counts": r.get("counts"),
-            "total_s": float(r.get("total_s_median", sum(phases.values()))),
-            "shard_bytes": r.get("shard_bytes_per_rank"),
-            "oversub": max(1.0, procs / cores) if procs and cores else 1.0}
-
-
 def fit_phases(runs: List[Dict], cfg: SimConfig) -> Dict[str, scaling.Law]:
     """One law per phase; restore_state's is its latency part (the bytes term removed when
     the runs carry shard_bytes_per_rank)."""
@@ -169,7 +137,7 @@ def phase_laws(measured: Dict, cfg: SimConfig, law: str = "auto") -> Dict:
     if law not in LAWS:
         raise SimError(f"--law must be one of {LAWS}, got {law!r}")
     if law == "counts" or (law == "auto" and sim_counts.has_counts(runs)):
-        return sim_counts.phase_laws(runs)
+        return sim_counts.phase_laws(runs, measured.get("unit_s"))
     return fit_phases(runs, cfg)
 
 
@@ -276,11 +244,12 @@ def spares(cfg: SimConfig) -> Dict:
             "given_spare_nodes": cfg.spare_nodes, "per_scale": per}
 
 
-def simulate(cfg: SimConfig, measured_path, law: str = "auto") -> Dict:
+def simulate(cfg: SimConfig, measured_path, law: str = "auto",
+             units: Optional[str] = None) -> Dict:
     """The whole model: the JSON ``deadpool sim --json`` writes."""
     from . import sim_counts
 
-    measured = load_measured(measured_path)
+    measured = load_measured(measured_path, units)
     laws = phase_laws(measured, cfg, law)
     by_counts = isinstance(next(iter(laws.values())), sim_counts.CountLaw)
     at = {str(g): strategies_at(cfg, laws, g) for g in cfg.gpus}
@@ -305,7 +274,10 @@ def simulate(cfg: SimConfig, measured_path, law: str = "auto") -> Dict:
                       for g, v in at.items()},
         "spares": spares(cfg),
         "law": "counts" if by_counts else "fit",
-        "validation": sim_counts.validate(measured["runs"], TOLERANCE) if by_counts
+        "unit_costs": ("timed one by one (deadpool bench units)" if measured["unit_s"]
+                       else "fitted to the phase times") if by_counts else None,
+        "validation": sim_counts.validate(measured["runs"], TOLERANCE, measured["unit_s"])
+        if by_counts
         else validate(measured["runs"], cfg),
         "validation_method": "leave-one-out (each measured W predicted from a fit on the "
                              "other world sizes); in_sample_* fields: fit on all",

@@ -104,14 +104,27 @@ class UnitCosts:
                 "unit_s": {k: float(f"{v:.4g}") for k, v in self.unit_s.items()}}
 
 
-def fit_units(runs: Sequence[Mapping]) -> UnitCosts:
-    """The phase constants and the per-kind unit costs, from runs that carry counts."""
+def fit_units(runs: Sequence[Mapping], measured: Optional[Mapping[str, float]] = None
+              ) -> UnitCosts:
+    """The phase constants and the per-kind unit costs, from runs that carry counts.
+    ``measured``: the unit costs ``deadpool bench units`` timed one by one; then only the
+    phase constants are fitted (each the mean of what the counted work leaves, at least 0).
+    Without it the unit costs are fitted too (non-negative least squares)."""
     if not runs or any(not r.get("counts") for r in runs):
         raise DeadpoolError("the count law needs every run measured with `deadpool bench "
                             "recovery --counts`")
-    x = nnls(*_design(runs))
     p = len(PHASE_ORDER)
-    return UnitCosts(dict(zip(PHASE_ORDER, x[:p])), dict(zip(KINDS, x[p:])))
+    rows, ys = _design(runs)
+    if measured is None:
+        x = nnls(rows, ys)
+        return UnitCosts(dict(zip(PHASE_ORDER, x[:p])), dict(zip(KINDS, x[p:])))
+    unit = [float(measured.get(k, 0.0)) for k in KINDS]
+    left: Dict[int, List[float]] = {}
+    for row, y in zip(rows, ys):
+        left.setdefault(row.index(1.0), []).append(
+            y - sum(c * u for c, u in zip(row[p:], unit)))
+    return UnitCosts({ph: max(0.0, sum(left[i]) / len(left[i])) for i, ph in
+                      enumerate(PHASE_ORDER)}, dict(zip(KINDS, unit)))
 
 
 @dataclass(frozen=True)
@@ -147,21 +160,24 @@ def count_laws(runs: Sequence[Mapping]) -> Dict[str, Dict[str, scaling.Law]]:
     return out
 
 
-def phase_laws(runs: Sequence[Mapping]) -> Dict[str, CountLaw]:
-    units = fit_units(runs)
+def phase_laws(runs: Sequence[Mapping], measured: Optional[Mapping[str, float]] = None
+               ) -> Dict[str, CountLaw]:
+    units = fit_units(runs, measured)
     return {ph: CountLaw(ph, units, laws) for ph, laws in count_laws(runs).items()}
 
 
-def validate(runs: Sequence[Mapping], within: float) -> List[Dict]:
+def validate(runs: Sequence[Mapping], within: float,
+             measured_units: Optional[Mapping[str, float]] = None) -> List[Dict]:
     """Per measured W: each phase predicted from its measured counts, with unit costs fitted
     on the other world sizes (leave-one-out) and on all (in sample), against the measured
     phase totals (the CPU's oversubscription put back)."""
     out = []
-    full = fit_units(runs)
+    full = fit_units(runs, measured_units)
     for w in sorted({r["world_size"] for r in runs}):
         mine = [r for r in runs if r["world_size"] == w]
         others = [r for r in runs if r["world_size"] != w]
-        loo = fit_units(others) if len({r["world_size"] for r in others}) >= 2 else full
+        loo = fit_units(others, measured_units) \
+            if len({r["world_size"] for r in others}) >= 2 else full
         k = mine[0].get("oversub", 1.0)
         measured = sum(sum(r["phases_s"].values()) for r in mine) / len(mine)
         e = {"world_size": w, "method": "leave-one-out", "oversubscription": round(k, 3),

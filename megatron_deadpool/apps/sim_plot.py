@@ -143,6 +143,9 @@ def add_arguments(sp) -> None:
                     help="each recovery phase against W: 'counts', the work a survivor does "
                     "(bench recovery --counts) x unit costs; 'fit', the phase time fitted "
                     "directly; 'auto': counts when the file has them (default)")
+    sp.add_argument("--units", default=None, metavar="U.json",
+                    help="unit costs timed one by one (deadpool bench units --json); default: "
+                    "those the measured file carries, else fitted to its phase times")
     sp.add_argument("--peers", default=None, metavar="peers.json",
                     help="bench peers' result: project each peer system beside DeadPool "
                          "from its measured restart pieces (docs/peers.md)")

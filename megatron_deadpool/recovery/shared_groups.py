@@ -53,9 +53,15 @@ def share_key(arguments: dict, world_backend: str, world_size: int) -> Optional[
 
 
 @contextlib.contextmanager
-def shared_gloo_groups(world_backend: str):
+def shared_gloo_groups(world_backend: str, world_timeout=None):
     """Within the block, ``torch.distributed.new_group`` returns an earlier group for a call
-    with the same ``share_key``. Yields the number of calls that shared (a list of one)."""
+    with the same ``share_key``. Yields the number of calls that shared (a list of one).
+
+    ``world_timeout``: the timeout the calls pass (megatron's ``distributed_timeout_minutes``)
+    when it is the default group's own. A call for every rank then gets the default group:
+    megatron's intra-distributed-optimizer-instance group has every rank when there is one
+    instance, and would be a second full mesh of the world (W - 1 connections per rank at
+    every recovery)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
@@ -63,6 +69,8 @@ def shared_gloo_groups(world_backend: str):
     # torch's own signature: ``original`` may be a wrapper taking (*args, **kwargs)
     signature = inspect.signature(distributed_c10d.new_group)
     made: dict = {}
+    if world_timeout is not None and str(world_backend).lower() == "gloo":
+        made[(tuple(range(dist.get_world_size())), world_timeout)] = dist.group.WORLD
     shared = [0]
 
     def new_group(*args, **kwargs):

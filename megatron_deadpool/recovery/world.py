@@ -138,7 +138,8 @@ class World:
             self.mp_kwargs = dict(mp_kwargs)
         kwargs = dict(self.mp_kwargs or {})
         kwargs["distributed_timeout_minutes"] = self._form_timeout_s / 60
-        with shared_gloo_groups(self.backend) as shared, ab.communicator_sockets():
+        timeout = timedelta(minutes=kwargs["distributed_timeout_minutes"])  # megatron's own
+        with shared_gloo_groups(self.backend, timeout) as shared, ab.communicator_sockets():
             ps.initialize_model_parallel(**kwargs)
         log.debug("model-parallel groups built; %d gloo group(s) shared", shared[0])
 
