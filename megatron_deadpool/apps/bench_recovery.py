@@ -138,9 +138,11 @@ def _print_run(w: int, i: int, repeats: int, rec: dict) -> None:
 
 
 def recovery(repeats: int = 3, world_sizes: Sequence[int] = (4, 8, 16),
-             hang: bool = True, counts: bool = False, light: bool = False) -> dict:
+             hang: bool = True, counts: bool = False, light: bool = False,
+             extra: Sequence[str] = ()) -> dict:
     """``counts``: each phase's work counted, and first (on the still idle machine) what
-    one unit of each kind costs (bench_units.py), for ``deadpool sim``'s count law."""
+    one unit of each kind costs (bench_units.py), for ``deadpool sim``'s count law.
+    ``extra``: more trainer flags for every run (e.g. ``--deadpool-lazy-groups``)."""
     sizes = check_world_sizes(world_sizes)
     if repeats < 1:
         raise DeadpoolError("--repeats must be >= 1")
@@ -160,7 +162,8 @@ def recovery(repeats: int = 3, world_sizes: Sequence[int] = (4, 8, 16),
         for i in range(repeats):
             try:
                 samples.append(_one(work, f"w{w}-run{i}", w, f"kill:node=1@iter={KILL_ITER}",
-                                    ["--deadpool-count-work"] if counts else [], log, light))
+                                    (["--deadpool-count-work"] if counts else [])
+                                    + list(extra), log, light))
             except DeadpoolError as exc:  # recorded and reported; the other runs go on
                 failed.append({"world_size": w, "run": i, "error": str(exc)})
                 print(f"W={w:<3} run {i + 1}/{repeats}: FAILED: {exc}", flush=True)
@@ -169,7 +172,8 @@ def recovery(repeats: int = 3, world_sizes: Sequence[int] = (4, 8, 16),
         if samples:
             runs.append(aggregate(w, samples, samples[-1]["shard_bytes"]))
             print(f"W={w}: median total {runs[-1]['total_s_median']:.3f} s", flush=True)
-    result = {"config": CONFIG + ("; light: a model of a few KB" if light else ""),
+    result = {"config": CONFIG + ("; light: a model of a few KB" if light else "")
+              + (f"; trainer flags {' '.join(extra)}" if extra else ""),
               "light": light, "runs": runs, "failed_runs": failed, "work_dir": work,
               "cpu_cores": os.cpu_count()}
     if counts:

@@ -128,7 +128,7 @@ def _add_bench(sub) -> None:
                     help="also measure on/off in alternating blocks inside one job of this "
                          "many iterations (0: skip)")
     br = bsub.add_parser("recovery", help="per-phase recovery time of a node kill against "
-                         "world size (medians, min-max), and a hang's detection latency")
+                         "world size, and a hang's detection (-- <more trainer flags>)")
     br.add_argument("--json", default=None, metavar="FILE")
     br.add_argument("--repeats", type=int, default=3, help="runs per world size")
     br.add_argument("--world-sizes", default="4,8,16", metavar="W,W,...",
@@ -230,7 +230,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
                 result = recovery(repeats=args.repeats, hang=not args.no_hang,
                                   world_sizes=_int_list(args.world_sizes, "--world-sizes"),
-                                  counts=args.counts, light=args.light)
+                                  counts=args.counts, light=args.light, extra=rest)
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(result, f, indent=2)
