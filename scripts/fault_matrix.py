@@ -60,7 +60,7 @@ def main() -> int:
                     "(<layout>-<scenario>.log) go; default: a new temporary directory")
     ap.add_argument("--extra-flags", default="", metavar="'FLAGS'", help="more trainer flags "
                     "for every scenario's run (not the failure-free references), e.g. "
-                    "'--deadpool-lazy-groups'")
+                    "'--deadpool-mirror-transport gloo'")
     a = ap.parse_args()
     extra = tuple(a.extra_flags.split())
     layouts = a.layouts.split(",")

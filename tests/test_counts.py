@@ -1,8 +1,6 @@
 """The recovery's work counts (base/counts.py, recovery/counting.py) and their fit against
 the world size (apps/bench_recovery.py: count_laws)."""
 
-import os
-
 import pytest
 
 from megatron_deadpool.apps import bench_recovery as br
@@ -120,59 +118,3 @@ def test_group_creation_is_counted_on_a_real_gloo_world():
     assert got[0][1]["groups_created"] == 2 and got[0][1]["group_members"] == 3
     assert got[1][1]["groups_created"] == 1 and got[1][1]["group_members"] == 2
     assert got[0][1]["connections"] == got[1][1]["connections"] == 1
-
-
-def _tcp_pair(listener):
-    import socket
-
-    c = socket.create_connection(listener.getsockname())
-    a, _ = listener.accept()
-    return c, a
-
-
-def test_the_census_counts_connections_nobody_counted_where_they_were_opened():
-    """Lazily connected gloo pairs appear after their group is built: the census counts
-    the connected TCP sockets that appeared since its last run, except those counted
-    where they were opened (an eager group's, recorded by abort.py; the mirror's, claimed)
-    and store connections."""
-    import socket
-
-    from megatron_deadpool.recovery import counting
-
-    counting.census()  # what exists now is not new
-    lis, store = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
-    counting._store_port[0] = store.getsockname()[1]
-    try:
-        lazy = _tcp_pair(lis)
-        mirror = _tcp_pair(lis)
-        for s in mirror:
-            counts.claim(s.fileno())
-        to_store = _tcp_pair(store)
-        before = counts.snapshot()["connections"]
-        assert counting.census() == 2  # both ends of the lazy pair; not the others
-        assert counting.census() == 0  # counted once
-        assert counts.snapshot()["connections"] - before == 2
-        for s in (*lazy, *mirror, *to_store):
-            s.close()
-    finally:
-        counting._store_port[0] = None
-        lis.close()
-        store.close()
-
-
-def test_a_lazy_gloo_group_counts_no_connections_when_built(monkeypatch):
-    from megatron_deadpool.recovery import counting
-
-    monkeypatch.delenv(counting.LAZY_ENV, raising=False)
-    before = counts.snapshot()
-    try:
-        with counting.lazy_gloo(True):
-            assert os.environ[counting.LAZY_ENV] == "1"
-            counting.count_group("gloo", 8)
-    finally:
-        counts.remove_probe(counting.census)  # registered by lazy_gloo
-    d = counts.delta(before, counts.snapshot())
-    assert d["groups_created"] == 1 and d["group_members"] == 8 and "connections" not in d
-    assert counting.LAZY_ENV not in os.environ
-    counting.count_group("gloo", 8)
-    assert counts.delta(before, counts.snapshot())["connections"] == 7

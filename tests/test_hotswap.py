@@ -37,22 +37,6 @@ def test_node_killed(tmp_path, reference):
 
 
 @pytest.mark.ci
-def test_node_killed_with_lazy_groups(tmp_path, reference):
-    """--deadpool-lazy-groups: no group connects a pair when it is built (rendezvous and
-    rebuild_groups open none), the pairs a step needs connect in it (counted by the
-    census), and the run ends bitwise."""
-    p, s = launch(tmp_path, FLAGS + ["--deadpool", "--deadpool-lazy-groups",
-                                     "--deadpool-audit", "full"],
-                  spares=1, inject=["kill:node=1@iter=6"])
-    _check_ok(p, s, reference(FLAGS))
-    (rec,) = s["recoveries"]
-    assert rec["counts"]["rendezvous"].get("connections", 0) == 0, rec["counts"]
-    assert rec["counts"]["rebuild_groups"].get("connections", 0) == 0, rec["counts"]
-    assert rec["counts"]["rebuild_groups"]["groups_created"] > 0
-    assert rec["counts"]["first_step"]["connections"] > 0, rec["counts"]
-
-
-@pytest.mark.ci
 def test_rank_hung_by_sigstop_is_fenced(tmp_path, reference):
     p, s = launch(tmp_path, FLAGS + ["--deadpool", "--deadpool-heartbeat-interval", "0.25",
                                      "--deadpool-heartbeat-timeout", "3"],

@@ -142,7 +142,7 @@ def recovery(repeats: int = 3, world_sizes: Sequence[int] = (4, 8, 16),
              extra: Sequence[str] = ()) -> dict:
     """``counts``: each phase's work counted, and first (on the still idle machine) what
     one unit of each kind costs (bench_units.py), for ``deadpool sim``'s count law.
-    ``extra``: more trainer flags for every run (e.g. ``--deadpool-lazy-groups``)."""
+    ``extra``: more trainer flags for every run (e.g. ``--deadpool-replicas 2``)."""
     sizes = check_world_sizes(world_sizes)
     if repeats < 1:
         raise DeadpoolError("--repeats must be >= 1")

@@ -46,7 +46,6 @@ class DeadpoolConfig:
     # iteration stays above FACTOR x the median for WINDOW iterations is drained
     straggler_swap: Optional[Tuple[float, int]] = None
     count_work: bool = False  # --deadpool-count-work: base/counts.py, bench recovery --counts
-    lazy_groups: bool = False  # --deadpool-lazy-groups: gloo pairs connect on first use
     # startup/save/eval/data -> seconds (STEP's is progress_timeout_s); defaults filled in
     section_timeouts_s: Mapping[str, float] = field(default_factory=dict)
 
@@ -124,7 +123,6 @@ class DeadpoolConfig:
             drain_source=getattr(args, "deadpool_drain_source", "buddy"),
             straggler_swap=parse_straggler_swap(getattr(args, "deadpool_straggler_swap", None)),
             count_work=bool(getattr(args, "deadpool_count_work", False)),
-            lazy_groups=bool(getattr(args, "deadpool_lazy_groups", False)),
             section_timeouts_s=parse_section_timeouts(
                 getattr(args, "deadpool_section_timeouts", None) or ""),
         )
@@ -266,9 +264,8 @@ def add_deadpool_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    "'socket', a TCP connection per (rank, buddy) pair, or 'gloo', the mirror's "
                    "gloo group, which runs the collectives either way (default %(default)s)")
     g.add_argument("--deadpool-count-work", action="store_true", help="count each recovery "
-                   "phase's store operations too (the rest is always counted; bench recovery)")
-    g.add_argument("--deadpool-lazy-groups", action="store_true", help="gloo: a group's "
-                   "pairs connect on first use, not as a full mesh (experimental: world.py)")
+                   "phase's store operations too (its groups, connections and mirror traffic "
+                   "are always counted): the recovery reports carry them (bench recovery)")
     _add_drain_args(g, d)
     return parser
 

@@ -32,8 +32,6 @@ KINDS = ("new_group_calls", "groups_created", "group_members", "connections", "s
 
 _lock = threading.Lock()
 _tally: Dict[str, int] = dict.fromkeys(KINDS, 0)
-_probes: list = []  # called by snapshot() first: work found by looking, not where it is done
-_claimed: set = set()  # socket inodes whose opener counted them (claim)
 
 
 def add(kind: str, n: int = 1) -> None:
@@ -43,34 +41,7 @@ def add(kind: str, n: int = 1) -> None:
         _tally[kind] += n
 
 
-def add_probe(probe) -> None:
-    """``probe()`` runs at every snapshot and ``add``s what it found since its last run
-    (recovery/counting.py's census of lazily connected gloo pairs); idempotent."""
-    if probe not in _probes:
-        _probes.append(probe)
-
-
-def remove_probe(probe) -> None:
-    if probe in _probes:
-        _probes.remove(probe)
-
-
-def claim(fd: int) -> None:
-    """The socket ``fd`` was counted by whoever opened it: a probe must not count it again."""
-    import os
-
-    with _lock:
-        _claimed.add(os.fstat(fd).st_ino)
-
-
-def claimed() -> set:
-    with _lock:
-        return set(_claimed)
-
-
 def snapshot() -> Dict[str, int]:
-    for probe in list(_probes):
-        probe()
     with _lock:
         return dict(_tally)
 

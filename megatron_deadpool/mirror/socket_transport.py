@@ -161,7 +161,6 @@ class SocketTransport(MirrorTransport):
             raise PeerLost(f"mirror connect to rank {dst} at {addr}: {exc}") from exc
         s.setblocking(False)
         counts.add("connections")
-        counts.claim(s.fileno())
         with self._arrived:
             self._keys[s], self._seq[s] = key, 0
         self._out[dst] = s
@@ -179,7 +178,6 @@ class SocketTransport(MirrorTransport):
         """(accept thread) ``s`` proved to be ``peer``'s: the newest connection serves."""
         s.setblocking(False)
         counts.add("connections")
-        counts.claim(s.fileno())
         with self._arrived:
             self._keys[s], self._seq[s] = key, 0
             old = self._in.pop(peer, None)

@@ -22,9 +22,8 @@ sockets, a metrics client, a remote data reader, and NCCL's bootstrap and proxy 
 (without a ``device_id``, as here, NCCL connects lazily, at a communicator's first
 collective, outside any block; its communicators are aborted by ``abort()``). Limits: a socket that another thread of this
 process opens during a group's creation is taken for the group's; a gloo group built with
-``TORCH_GLOO_LAZY_INIT=1`` (``--deadpool-lazy-groups``) connects later and is not recorded:
-its waits end at the abort through gloo_waits.py, its pairs when the peers' groups go
-(world.py). The mirror's own TCP connections are its transport's to shut (``World.on_abort``).
+``TORCH_GLOO_LAZY_INIT=1`` connects later and is not recorded (DeadPool does not set it:
+world.py). The mirror's own TCP connections are its transport's to shut (``World.on_abort``).
 """
 
 from __future__ import annotations
@@ -99,7 +98,7 @@ def generation_store(store):
         _gen_store.update(set(socket_inodes()) - before)
     return client
 
-def tcp_ports(fd: int) -> Optional[tuple]:
+def _ports(fd: int) -> Optional[tuple]:
     """(local port, remote port) of a connected TCP socket ``fd``; None for anything else
     (not a socket, another family, listening or unconnected)."""
     try:
@@ -126,7 +125,7 @@ def comm_socket_fds(keep_ports: Iterable[int], owned: Iterable[int]) -> List[int
     for inode, fd in socket_inodes().items():
         if inode not in owned:
             continue
-        ports = tcp_ports(fd)
+        ports = _ports(fd)
         if ports is None or ports[0] in keep or ports[1] in keep:
             continue
         fds.append(fd)

@@ -3,70 +3,16 @@ into ``base/counts.py``: the groups it creates (and the calls it takes part in a
 non-member), the gloo connections they open, and the store operations of a generation's
 store (``CountingStore``: gloo's rendezvous, the mirror's addresses).
 
-A gloo group is connected eagerly by default, as a full mesh: a member opens a pair to
-each other member (``size - 1`` connections). Under ``lazy_gloo`` (``--deadpool-lazy-groups``,
-world.py) a pair connects when an operation first needs it: such a group counts as created
-with no connections, and ``census`` counts the pairs as they appear. NCCL connects lazily,
-on first use, so an NCCL group counts as created with no connections.
+A gloo group is connected eagerly, as a full mesh: a member opens a pair to each other
+member (``size - 1`` connections; world.py says why lazy initialisation is off). NCCL
+connects lazily, on first use, so an NCCL group counts as created with no connections.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 from datetime import timedelta
 
 from ..base import counts
-
-LAZY_ENV = "TORCH_GLOO_LAZY_INIT"  # read by ProcessGroupGloo's constructor, each time
-
-
-_store_port = [None]  # the coordinator store's: its connections are not a group's pairs
-
-
-@contextlib.contextmanager
-def lazy_gloo(on: bool, store_port=None):
-    """Gloo groups built in the block connect each pair on first use (when ``on``); the
-    census then counts those pairs at every snapshot."""
-    if not on:
-        yield
-        return
-    _store_port[0] = store_port
-    counts.add_probe(census)
-    old = os.environ.get(LAZY_ENV)
-    os.environ[LAZY_ENV] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(LAZY_ENV, None)
-        else:
-            os.environ[LAZY_ENV] = old
-
-
-_seen: set = set()  # socket inodes the census has looked at
-
-
-def census() -> int:
-    """Count (``connections``) the connected TCP sockets that appeared since the last
-    census and that nobody counted where they were opened: not an eagerly built group's
-    pairs (abort.py records them), not the mirror's (claimed), not a store connection.
-    What is left is lazily connected gloo pairs. Returns how many it counted."""
-    from . import abort
-
-    inodes = abort.socket_inodes()
-    fresh = {i: fd for i, fd in inodes.items() if i not in _seen}
-    _seen.intersection_update(inodes)
-    _seen.update(fresh)
-    skip = abort.owned_socket_inodes() | counts.claimed()
-    n = 0
-    for inode, fd in fresh.items():
-        ports = None if inode in skip else abort.tcp_ports(fd)
-        if ports is not None and _store_port[0] not in ports:
-            n += 1
-    if n:
-        counts.add("connections", n)
-    return n
 
 _store_ops = False  # count_store_ops(): --deadpool-count-work
 
@@ -97,11 +43,10 @@ def generation_store(store):
 
 
 def count_group(backend: str, size: int) -> None:
-    """A group of ``size`` members this process belongs to was created (a lazy gloo group's
-    pairs are counted by the census, as they connect)."""
+    """A group of ``size`` members this process belongs to was created."""
     counts.add("groups_created")
     counts.add("group_members", size)
-    if str(backend).lower() == "gloo" and os.environ.get(LAZY_ENV) != "1":
+    if str(backend).lower() == "gloo":
         counts.add("connections", max(0, size - 1))
 
 

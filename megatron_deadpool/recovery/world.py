@@ -58,23 +58,20 @@ def nccl_error_handling_env(environ) -> list:
     return overridden
 
 
-# gloo groups are connected eagerly by default (a full mesh per group when it is built: W - 1
-# pairs per rank for the default group). With lazy_groups (--deadpool-lazy-groups, opt-in)
-# they are built with TORCH_GLOO_LAZY_INIT=1 and a pair connects when an operation first
-# needs it (a ring all-reduce: 2 neighbours). The abort does not shut those pairs down (it
-# knows only the sockets that appear while a group is built, abort.py): a wait on one ends
-# at the abort through gloo_waits, and the pair closes when its peer's group goes. A W=16
-# hot swap with every group lazy and its half-connected pairs shut down by the abort once
-# hung in a gloo_tcp_loop thread (docs/benchmarks.md).
+# gloo groups are connected eagerly (a full mesh per group when it is built). With
+# TORCH_GLOO_LAZY_INIT=1 (pairs connect on first use) a recovery would open no connections
+# until the first step, but on torch 2.13's gloo a W=16 hot swap hung twice: after the
+# peer died, a gloo_tcp_loop thread spun on a lazily connected pair and the old group's
+# destructor never returned, also when the abort shut nothing lazy down (pytorch/gloo#520:
+# the lazy listener's connect has no timeout; docs/benchmarks.md). Not set here.
 
 
 class World:
     def __init__(self, backend: str, store_port: int, rendezvous_timeout_s: float,
                  collective_timeout_s: float, emit: Callable[..., None],
                  gloo_op_timeout_s: Optional[float] = None,
-                 regroup_timeout_s: Optional[float] = None, lazy_groups: bool = False):
+                 regroup_timeout_s: Optional[float] = None):
         self.backend, self.store_port = backend, store_port
-        self.lazy = lazy_groups and backend == "gloo"  # pairs connect on first use
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.collective_timeout_s = collective_timeout_s
         self.gloo_op_timeout_s = gloo_op_timeout_s  # config.gloo_op_timeout_s
@@ -109,12 +106,11 @@ class World:
                             "(CleanUpOnly)", var, old, NCCL_ASYNC_ERROR_HANDLING)
         self._form_timeout_s = self.form_timeout_s(gen)
         store = ab.generation_store(store)  # a group creation's store wait ends at the abort
-        with ab.communicator_sockets(), counting.lazy_gloo(self.lazy, self.store_port):
+        with ab.communicator_sockets():  # the abort shuts these down, and only these
             dist.init_process_group(backend=self.backend, store=dist.PrefixStore(
                 f"gen{gen}/", counting.generation_store(store)), rank=rank,
                 world_size=world_size, timeout=timedelta(seconds=self._form_timeout_s))
-        with counting.lazy_gloo(self.lazy, self.store_port):
-            counting.count_group(self.backend, world_size)
+        counting.count_group(self.backend, world_size)
         with self._lock:
             self._live_gen = gen
             self.aborted = False
@@ -145,8 +141,7 @@ class World:
         kwargs = dict(self.mp_kwargs or {})
         kwargs["distributed_timeout_minutes"] = self._form_timeout_s / 60
         timeout = timedelta(minutes=kwargs["distributed_timeout_minutes"])  # megatron's own
-        with shared_gloo_groups(self.backend, timeout) as shared, ab.communicator_sockets(), \
-                counting.lazy_gloo(self.lazy, self.store_port):
+        with shared_gloo_groups(self.backend, timeout) as shared, ab.communicator_sockets():
             ps.initialize_model_parallel(**kwargs)
         log.debug("model-parallel groups built; %d gloo group(s) shared", shared[0])
 
