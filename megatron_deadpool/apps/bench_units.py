@@ -105,7 +105,9 @@ def _round(store, rank: int, n: int, i: int) -> Dict[str, float]:
     before = counts.snapshot()["store_ops"]
     grp = _timed(lambda: dist.new_group([0, 1]), n)
     grp_ops = (counts.snapshot()["store_ops"] - before) / n
-    other = _timed(lambda: dist.new_group([1 - rank]), n)  # a member on one side only
+    # each rank asks for a group of the other rank alone: both take torch's non-member path
+    # (no store, no connection) once per call, so their group numbering stays in step
+    other = _timed(lambda: dist.new_group([1 - rank]), n)
     msg = _messages(rank, n, 1)
     big = _messages(rank, max(2, n // 10), BIG // 4)
     return {"store_ops": store_s, "connections": conn,

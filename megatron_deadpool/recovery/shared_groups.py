@@ -61,7 +61,10 @@ def shared_gloo_groups(world_backend: str, world_timeout=None):
     when it is the default group's own. A call for every rank then gets the default group:
     megatron's intra-distributed-optimizer-instance group has every rank when there is one
     instance, and would be a second full mesh of the world (W - 1 connections per rank at
-    every recovery)."""
+    every recovery). Not a call that names its backend: those are megatron's ``*_GLOO``
+    groups, which ``destroy_model_parallel`` destroys itself, and destroying the default
+    group would end the whole world (with TP = PP = 1 the data-parallel group has every
+    rank)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
@@ -69,8 +72,9 @@ def shared_gloo_groups(world_backend: str, world_timeout=None):
     # torch's own signature: ``original`` may be a wrapper taking (*args, **kwargs)
     signature = inspect.signature(distributed_c10d.new_group)
     made: dict = {}
+    world_key = (tuple(range(dist.get_world_size())), world_timeout)
     if world_timeout is not None and str(world_backend).lower() == "gloo":
-        made[(tuple(range(dist.get_world_size())), world_timeout)] = dist.group.WORLD
+        made[world_key] = dist.group.WORLD
     shared = [0]
 
     def new_group(*args, **kwargs):
@@ -79,6 +83,8 @@ def shared_gloo_groups(world_backend: str, world_timeout=None):
         except TypeError:  # not torch's signature: build as asked
             arguments = {"backend": "unknown"}
         key = share_key(arguments, world_backend, dist.get_world_size())
+        if key == world_key and arguments.get("backend") is not None:
+            key = ("named backend",) + key  # never the default group: see above
         if key is not None and key in made:
             shared[0] += 1
             return made[key]
