@@ -9,7 +9,7 @@ import math
 import pytest
 
 from megatron_deadpool.base import scaling
-from megatron_deadpool.apps import sim
+from megatron_deadpool.apps import sim, sim_measured
 from megatron_deadpool.apps.cli import main
 from megatron_deadpool.base.vocabulary import PHASE_ORDER
 
@@ -57,12 +57,12 @@ def test_shard_bytes_by_hand():
 
 
 def test_validation_flags_a_miss_over_25_percent(tmp_path, capsys):
-    good = sim.validate(sim.load_measured(_measured(tmp_path / "g.json"))["runs"],
+    good = sim.validate(sim_measured.load_measured(_measured(tmp_path / "g.json"))["runs"],
                         sim.SimConfig())
     assert [v["world_size"] for v in good] == WS
     assert all(v["within_25pct"] and v["method"] == "leave-one-out" for v in good)
     bad_file = _measured(tmp_path / "b.json", totals_by_w={16: 3.0})
-    bad = {v["world_size"]: v for v in sim.validate(sim.load_measured(bad_file)["runs"],
+    bad = {v["world_size"]: v for v in sim.validate(sim_measured.load_measured(bad_file)["runs"],
                                                      sim.SimConfig())}
     assert not bad[16]["within_25pct"] and bad[16]["rel_error"] < -0.25
     assert bad[16]["measured_total_s"] == pytest.approx(3.0)
@@ -71,7 +71,7 @@ def test_validation_flags_a_miss_over_25_percent(tmp_path, capsys):
 
 
 def test_goodput_tends_to_one_minus_overheads_without_failures(tmp_path):
-    laws = sim.fit_phases(sim.load_measured(_measured(tmp_path / "m.json"))["runs"],
+    laws = sim.fit_phases(sim_measured.load_measured(_measured(tmp_path / "m.json"))["runs"],
                           sim.SimConfig())
     cfg = sim.SimConfig(node_mtbf_hours=1e15, checkpoint_interval_min=30,
                         checkpoint_write_s=36, mirror_overhead=0.02)
@@ -168,7 +168,7 @@ def test_oversubscription_is_removed_before_fitting(tmp_path):
                      "total_s_median": 0.05 * k * len(PHASE_ORDER)})
     path = tmp_path / "m.json"
     path.write_text(json.dumps({"runs": runs, "cpu_cores": 2}))
-    measured = sim.load_measured(path)
+    measured = sim_measured.load_measured(path)
     cfg = sim.SimConfig()
     laws = sim.fit_phases(measured["runs"], cfg)
     assert all(laws[ph].form == "O(1)" for ph in PHASE_ORDER if ph != "restore_state")

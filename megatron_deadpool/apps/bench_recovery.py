@@ -116,8 +116,9 @@ def _one(work: str, tag: str, world_size: int, inject: str, extra: List[str], lo
     """One run; its first recovery (with ``counts`` and ``counts_spare``: per phase, the
     most work one survivor and one promoted spare did)."""
     rd = os.path.join(work, tag)
-    argv = trainer_flags(world_size, light) + ["--train-iters", str(TRAIN_ITERS), "--deadpool", "--deadpool-events",
-                         os.path.join(work, f"{tag}.events.jsonl")] + extra
+    argv = trainer_flags(world_size, light) + [
+        "--train-iters", str(TRAIN_ITERS), "--deadpool", "--deadpool-events",
+        os.path.join(work, f"{tag}.events.jsonl")] + extra
     s = run(LaunchOptions(nodes=world_size // PROCS_PER_NODE, procs_per_node=PROCS_PER_NODE,
                           spare_nodes=1, inject=[inject], results_dir=rd, trainer_argv=argv,
                           quiet=True),

@@ -31,28 +31,28 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
+from ..base import counts
 from ..base.errors import DeadpoolError
 
 DEVICES = 4            # the connections' slope: groups built with 1 and with DEVICES devices
 BIG = 4 << 20          # bytes of one large message
 
 
-def _timed(fn: Callable[[], None], n: int) -> float:
-    t = time.perf_counter()
+def _timed(fn: Callable[[], None], n: int) -> Tuple[float, float]:
+    """Per call of ``fn``: (seconds, store operations counted)."""
+    ops, t = counts.snapshot()["store_ops"], time.perf_counter()
     for _ in range(n):
         fn()
-    return (time.perf_counter() - t) / n
+    return (time.perf_counter() - t) / n, (counts.snapshot()["store_ops"] - ops) / n
 
 
 def _store_ops(store, n: int) -> float:
     """Per operation: a set, a get and an add, each a round trip."""
-    from ..base import counts
-
-    before = counts.snapshot()["store_ops"]
-    per = _timed(lambda: (store.set("u/k", b"x"), store.get("u/k"), store.add("u/n", 1)), n)
-    return per * n / max(1, counts.snapshot()["store_ops"] - before)
+    per, ops = _timed(lambda: (store.set("u/k", b"x"), store.get("u/k"),
+                               store.add("u/n", 1)), n)
+    return per / max(1.0, ops)
 
 
 def _gloo(store, rank: int, devices: int, tag: str):
@@ -66,12 +66,8 @@ def _gloo(store, rank: int, devices: int, tag: str):
 
 def _build(store, rank: int, devices: int, n: int, tag: str):
     """Per build of a 2-member gloo group with ``devices`` devices: (seconds, store ops)."""
-    from ..base import counts
-
-    keep, before = [], counts.snapshot()["store_ops"]
-    it = iter(range(n))
-    per = _timed(lambda: keep.append(_gloo(store, rank, devices, f"{tag}{next(it)}/")), n)
-    return per, (counts.snapshot()["store_ops"] - before) / n
+    keep, it = [], iter(range(n))
+    return _timed(lambda: keep.append(_gloo(store, rank, devices, f"{tag}{next(it)}/")), n)
 
 
 def _messages(rank: int, n: int, numel: int) -> float:
@@ -87,7 +83,7 @@ def _messages(rank: int, n: int, numel: int) -> float:
         else:
             dist.recv(t, 0), dist.send(t, 0)
     pingpong()
-    return _timed(pingpong, n) / 2
+    return _timed(pingpong, n)[0] / 2
 
 
 def _round(store, rank: int, n: int, i: int) -> Dict[str, float]:
@@ -100,14 +96,10 @@ def _round(store, rank: int, n: int, i: int) -> Dict[str, float]:
     many, opsd = _build(store, rank, DEVICES, n, f"d{DEVICES}r{i}-")
     conn = max(0.0, (many - one - (opsd - ops1) * store_s) / (DEVICES - 1))
     dist.barrier()
-    from ..base import counts
-
-    before = counts.snapshot()["store_ops"]
-    grp = _timed(lambda: dist.new_group([0, 1]), n)
-    grp_ops = (counts.snapshot()["store_ops"] - before) / n
+    grp, grp_ops = _timed(lambda: dist.new_group([0, 1]), n)
     # each rank asks for a group of the other rank alone: both take torch's non-member path
     # (no store, no connection) once per call, so their group numbering stays in step
-    other = _timed(lambda: dist.new_group([1 - rank]), n)
+    other, _ = _timed(lambda: dist.new_group([1 - rank]), n)
     msg = _messages(rank, n, 1)
     big = _messages(rank, max(2, n // 10), BIG // 4)
     return {"store_ops": store_s, "connections": conn,
@@ -136,14 +128,13 @@ def worker(rank: int, port: int, rounds: int, n: int, out: str) -> None:
 
 def units(rounds: int = 5, n: int = 40) -> dict:
     """Run the two processes; per kind the largest of the two ranks' medians."""
-    import socket
     import tempfile
+
+    from ..launch.options import free_port
 
     if rounds < 1 or n < 2:
         raise DeadpoolError("--rounds must be >= 1 and --n >= 2")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     work = tempfile.mkdtemp(prefix="deadpool-bench-units-")
     outs = [os.path.join(work, f"rank{r}.json") for r in range(2)]
     env = dict(os.environ, OMP_NUM_THREADS="1")

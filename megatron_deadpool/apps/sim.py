@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 from ..base import scaling
 from ..base.errors import ConfigError
 from ..base.vocabulary import PHASE_ORDER
-from .sim_measured import load_measured  # noqa: F401  (sim.load_measured, its callers')
+from .sim_measured import load_measured
 
 DEFAULT_GPUS = (512, 4096, 100000)
 STRATEGIES = ("hotswap", "checkpoint_restart", "inprocess_restart")

@@ -121,7 +121,7 @@ def fit_units(runs: Sequence[Mapping], measured: Optional[Mapping[str, float]] =
     unit = [float(measured.get(k, 0.0)) for k in KINDS]
     left: Dict[int, List[float]] = {}
     for row, y in zip(rows, ys):
-        left.setdefault(row.index(1.0), []).append(
+        left.setdefault(row[:p].index(1.0), []).append(
             y - sum(c * u for c, u in zip(row[p:], unit)))
     return UnitCosts({ph: max(0.0, sum(left[i]) / len(left[i])) for i, ph in
                       enumerate(PHASE_ORDER)}, dict(zip(KINDS, unit)))

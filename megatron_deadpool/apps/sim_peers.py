@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Dict
 
 from ..base.errors import DeadpoolError
-from . import sim
+from . import sim, sim_measured
 
 CHECKPOINTING = ("relaunch", "nvrx", "nvrx-local")
 SYSTEMS = ("deadpool",) + CHECKPOINTING
@@ -107,7 +107,7 @@ def project(cfg: sim.SimConfig, measured_path, peers: Dict[str, dict],
             scale: PeerScale = PeerScale()) -> dict:
     """Per scale, per system: lost per failure, steady overhead, goodput; the ratio of each
     system's loss to DeadPool's."""
-    laws = sim.phase_laws(sim.load_measured(measured_path), cfg)
+    laws = sim.phase_laws(sim_measured.load_measured(measured_path), cfg)
     out = {}
     for g in cfg.gpus:
         hot = sim.strategies_at(cfg, laws, g)

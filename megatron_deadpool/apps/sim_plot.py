@@ -7,7 +7,7 @@ import dataclasses
 import math
 from typing import Dict, List
 
-from . import sim
+from . import sim, sim_measured
 from ..base.errors import DeadpoolError
 
 LABELS = {"hotswap": "DeadPool hot swap", "checkpoint_restart": "checkpoint/restart",
@@ -73,7 +73,7 @@ def plot(cfg: sim.SimConfig, measured_path, path: str) -> str:
         raise DeadpoolError("--plot needs matplotlib: pip install -e .[report]") from None
     gpus = sweep_gpus(cfg)
     scfg = dataclasses.replace(cfg, gpus=tuple(gpus))
-    measured = sim.load_measured(measured_path)
+    measured = sim_measured.load_measured(measured_path)
     laws = sim.phase_laws(measured, scfg)
     at = [sim.strategies_at(scfg, laws, g) for g in gpus]
     fig, ax = plt.subplots(figsize=(8, 5.2))

@@ -72,8 +72,9 @@ def shared_gloo_groups(world_backend: str, world_timeout=None):
     # torch's own signature: ``original`` may be a wrapper taking (*args, **kwargs)
     signature = inspect.signature(distributed_c10d.new_group)
     made: dict = {}
-    world_key = (tuple(range(dist.get_world_size())), world_timeout)
+    world_key = None  # the default group's key, when it may be shared
     if world_timeout is not None and str(world_backend).lower() == "gloo":
+        world_key = (tuple(range(dist.get_world_size())), world_timeout)
         made[world_key] = dist.group.WORLD
     shared = [0]
 
@@ -83,7 +84,7 @@ def shared_gloo_groups(world_backend: str, world_timeout=None):
         except TypeError:  # not torch's signature: build as asked
             arguments = {"backend": "unknown"}
         key = share_key(arguments, world_backend, dist.get_world_size())
-        if key == world_key and arguments.get("backend") is not None:
+        if key is not None and key == world_key and arguments.get("backend") is not None:
             key = ("named backend",) + key  # never the default group: see above
         if key is not None and key in made:
             shared[0] += 1
