@@ -99,7 +99,8 @@ class Deadpool:
         return self
 
     def _make_runtime(self, env: WorkerEnv):
-        from .control.protected import MirrorSettings, Protected
+        from .control.attachment import Attachment
+        from .control.link import Links, MirrorSettings
         from .control.runtime import Runtime
         from .membership import auth
         from .membership.member import Member
@@ -127,8 +128,8 @@ class Deadpool:
             fallback_dir=cfg.fallback_save_dir, fallback_every=cfg.fallback_every)
         # a launched job reports what the mirror costs (progress line, rank results, bench)
         meter = Meter() if env.results_dir or cfg.events_path else NO_METER
-        return Runtime(cfg, env, member, world, Protected(settings, meter, sink.emit), sink,
-                       with_cuda=self.device.type == "cuda")
+        return Runtime(cfg, env, member, world, Attachment(settings, meter, sink.emit),
+                       Links(settings, meter), sink, with_cuda=self.device.type == "cuda")
 
     @property
     def rank(self) -> int:
@@ -225,7 +226,7 @@ class Deadpool:
     def _progress(self, iteration: int, loss: Optional[float], now: float) -> dict:
         """One iteration's progress record: loss, step seconds (since ``before_step``, or
         the previous ``after_step`` when the caller has no ``before_step``), mirror lag and
-        wait (``Protected.progress``; None with the mirror off), generation."""
+        wait (``Attachment.progress``; None with the mirror off), generation."""
         rec = {"iteration": iteration, "loss": loss, "rank": self.rank,
                "step_s": None if self._t_step is None else now - self._t_step,
                "mirror_lag_s": None, "mirror_wait_s": None, "generation": None}

@@ -4,7 +4,8 @@
 #   scripts/apply_patches.sh MEGATRON_LM_DIR [--reverse]
 #
 # One series per pinned tag, in patches/<tag>/ (the patches, COMMIT: the tag's commit,
-# files.sha256: pre-image sha256, post-image sha256, path of every file the series touches).
+# files.sha256: pre-image sha256, post-image sha256, path of every file the series touches;
+# tag.json is the package's, adapters/tags.py). scripts/export_patches.sh writes a series.
 # The tag is found from the tree itself, never from megatron/core/package_info.py: a git
 # checkout by its HEAD commit; an unpacked archive by its files' hashes (every file of one
 # tag's manifest at that tag's pre-image or post-image). A tree that matches no tag is

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The mirror on one GPU: world size 1, --deadpool-replicas 0 (the local double-buffered
-pinned host snapshot only), the package's own code path (``Protected.attach``, the wrapped
+pinned host snapshot only), the package's own code path (``Attachment.attach``, the wrapped
 ``optimizer.step`` that waits for the previous snapshot, ``after_step``, ``restore``).
 
 Measures, in one process:
@@ -152,7 +152,7 @@ def same_state(p, optimizer, state, scheduler, saved):
             "groups_equal": shard.group_state(optimizer) == saved["groups"]}
 
 
-def restore_check(args, device, model, optimizer, scheduler, state, p):
+def restore_check(args, device, model, optimizer, scheduler, state, p, link):
     """Snapshot at k (committed), step k+1 unsnapshotted, restore k, compare; rerun k+1."""
     import torch
 
@@ -165,7 +165,7 @@ def restore_check(args, device, model, optimizer, scheduler, state, p):
     run(["off"])
     at_k1 = snapshot_state(p, optimizer, state, scheduler, "cpu")
     t0 = time.perf_counter()
-    restored = p.restore(0)
+    restored = p.restore(0, link)
     sync(device)
     out = {"snapshot_iteration": k, "restored_iteration": restored,
            "restore_s": time.perf_counter() - t0}
@@ -186,7 +186,7 @@ def copy_reference(p, device, reps=3):
     import torch
 
     n = p.mirror.layout.tensor_bytes
-    slot = p.mirror.own[0]
+    slot = p.mirror.own.slot(0)
     out = {"bytes": n, "slot_pinned": bool(slot.is_pinned())}
     if device.type != "cuda":
         return out
@@ -210,7 +210,7 @@ def copy_reference(p, device, reps=3):
 def checksum_rate(p, nbytes=1 << 30, threads=8):
     """zlib.crc32 (the snapshot checksum) over part of a slot: one thread, and ``threads``
     threads on separate chunks (zlib releases the GIL)."""
-    slot = p.mirror.own[1]
+    slot = p.mirror.own.slot(1)
     n = min(nbytes, slot.numel() - 128)
     mv = memoryview(slot.numpy())[128:128 + n]
     t0 = time.perf_counter()
@@ -240,7 +240,8 @@ def main() -> int:
     argv = [x for x in a.trainer_argv if x != "--"]
     import torch
 
-    from megatron_deadpool.control.protected import MirrorSettings, Protected
+    from megatron_deadpool.control.attachment import Attachment
+    from megatron_deadpool.control.link import Links, MirrorSettings
     from megatron_deadpool.mirror.meter import Meter
 
     RESULT.update({"argv": argv, "torch": torch.__version__})
@@ -256,10 +257,11 @@ def main() -> int:
     log(f"built: {RESULT['params']:,} parameters in {RESULT['build_s']:.1f} s")
     save(a.out)
     meter = Meter()
-    p = Protected(MirrorSettings(replicas=0, create_timeout_s=600, op_timeout_s=600), meter)
+    settings = MirrorSettings(replicas=0, create_timeout_s=600, op_timeout_s=600)
+    link = Links(settings, meter).connect(SimpleNamespace(node_of_rank=[0], gen=0))
+    p = Attachment(settings, meter)
     p.attach(model, optimizer, scheduler, state, rank=0, world_size=1,
-             with_cuda=device.type == "cuda", plan=SimpleNamespace(node_of_rank=[0], gen=0),
-             fault_points=lambda it, phase: None)
+             with_cuda=device.type == "cuda", link=link, fault_points=lambda it, phase: None)
     run = lambda modes: train(args, device, model, optimizer, scheduler, state, p, modes)  # noqa: E731
     t0 = time.perf_counter()
     run(["off"] * a.warmup)  # the first call commits the initial state (allocates slots)
@@ -283,7 +285,7 @@ def main() -> int:
     log(f"mirror: {json.dumps(RESULT['mirror'])}")
     log(f"plain copy: {json.dumps(RESULT['plain_copy'])} checksum: {json.dumps(RESULT['checksum'])}")
     save(a.out)
-    RESULT["restore"] = restore_check(args, device, model, optimizer, scheduler, state, p)
+    RESULT["restore"] = restore_check(args, device, model, optimizer, scheduler, state, p, link)
     log(f"restore: {json.dumps(RESULT['restore'])}")
     if device.type == "cuda":
         RESULT["max_memory_allocated"] = torch.cuda.max_memory_allocated()

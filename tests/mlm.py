@@ -1,7 +1,8 @@
 """The Megatron-LM tree for tests: ``MEGATRON_LM_DIR`` (a user's checkout, copied, never
 modified) or the pinned ``git archive`` (``MEGATRON_LM_ARCHIVE``, else
-``../shared/megatron-lm/Megatron-LM-core_v0.16.1.tar.gz`` beside the repository), unpacked
-into a temporary directory. Missing both, the tests skip, except where
+``../shared/megatron-lm/Megatron-LM-<tag>.tar.gz`` beside the repository), unpacked into a
+temporary directory; each archive is checked against its tag's commit (``tags.py``, read
+from ``patches/<tag>/COMMIT``). Missing both, the tests skip, except where
 ``DEADPOOL_REQUIRE_MLM=1`` or ``CI=true``: there they fail (CI must run them)."""
 
 from __future__ import annotations
@@ -16,20 +17,20 @@ from typing import Optional
 
 import pytest
 
+from megatron_deadpool.adapters import tags
+
 REPO = Path(__file__).resolve().parents[1]
-PINNED_COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"
-ARCHIVE_NAME = "Megatron-LM-core_v0.16.1.tar.gz"
-# the other supported tag (tags.py): its archive beside the first one
-COMMITS = {"core_v0.16.1": PINNED_COMMIT,
-           "core_v0.19.0": "5be9626709af2722333bf54797c954c09edeada3"}
+# The default tree: the oldest supported tag (the project's default environment runs it);
+# MEGATRON_LM_DIR and MEGATRON_LM_ARCHIVE stand for it. Every tag's archive lies beside it.
+PINNED = tags.NAMES[0]
 
 
 def _required() -> bool:
     return os.environ.get("DEADPOOL_REQUIRE_MLM") == "1" or os.environ.get("CI") == "true"
 
 
-def find_archive(tag: str = "core_v0.16.1") -> Optional[Path]:
-    env = os.environ.get("MEGATRON_LM_ARCHIVE") if tag == "core_v0.16.1" else None
+def find_archive(tag: str = PINNED) -> Optional[Path]:
+    env = os.environ.get("MEGATRON_LM_ARCHIVE") if tag == PINNED else None
     candidates = [Path(env)] if env else []
     candidates.append(REPO.parent / "shared" / "megatron-lm" / f"Megatron-LM-{tag}.tar.gz")
     return next((c for c in candidates if c.is_file()), None)
@@ -43,9 +44,9 @@ def archive_commit(path: Path) -> str:
     return r.stdout.decode().strip()
 
 
-def pristine_tree(dest: Path, tag: str = "core_v0.16.1") -> Path:
+def pristine_tree(dest: Path, tag: str = PINNED) -> Path:
     """An unmodified tree of ``tag`` under ``dest``; skips (or fails in CI) if none."""
-    src = os.environ.get("MEGATRON_LM_DIR") if tag == "core_v0.16.1" else None
+    src = os.environ.get("MEGATRON_LM_DIR") if tag == PINNED else None
     if src:
         out = dest / "Megatron-LM"
         shutil.copytree(src, out, ignore=shutil.ignore_patterns(".git", "__pycache__",
@@ -58,8 +59,8 @@ def pristine_tree(dest: Path, tag: str = "core_v0.16.1") -> Path:
         if _required():
             pytest.fail(msg + " (required here: CI / DEADPOOL_REQUIRE_MLM=1)")
         pytest.skip(msg)
-    commit = archive_commit(archive)
-    assert commit == COMMITS[tag], f"{archive} is commit {commit}, not {COMMITS[tag]}"
+    commit, want = archive_commit(archive), tags.named(tag).commit
+    assert commit == want, f"{archive} is commit {commit}, not {want}"
     with tarfile.open(archive) as t:
         t.extractall(dest, filter="data")
     return dest / "Megatron-LM"
@@ -72,9 +73,7 @@ VENV312 = REPO / ".venv312" / "bin" / "python"
 def python_for(tag: str) -> str:
     """The interpreter that runs ``tag``'s tree: this one if it is new enough, else
     ``DEADPOOL_PY312`` or ``.venv312`` (``make venv``); skips (fails in CI) if none."""
-    from megatron_deadpool.adapters.tags import TAGS
-
-    need = next(t.python for t in TAGS if t.name == tag)
+    need = tags.named(tag).python
     if sys.version_info[:2] >= need:
         return sys.executable
     for cand in (os.environ.get("DEADPOOL_PY312"), str(VENV312)):

@@ -97,17 +97,19 @@ class SoloTransport:
 
 
 def protect(model, optimizer, scheduler, state, replicas: int = 0):
-    """``Protected.attach`` as the runtime calls it, for a world of one (one node)."""
+    """``Attachment.attach`` as the runtime calls it, for a world of one (one node)."""
     import torch
 
-    from megatron_deadpool.control.protected import MirrorSettings, Protected
+    from megatron_deadpool.control.attachment import Attachment
+    from megatron_deadpool.control.link import Links, MirrorSettings
     from megatron_deadpool.mirror.meter import Meter
 
     # the meter a launched job attaches (its costs are what the tests read)
-    p = Protected(MirrorSettings(replicas=replicas, create_timeout_s=60, op_timeout_s=60), Meter())
-    plan = SimpleNamespace(node_of_rank=[0], gen=0)
+    settings, meter = MirrorSettings(replicas=replicas, create_timeout_s=60, op_timeout_s=60), Meter()
+    link = Links(settings, meter).connect(SimpleNamespace(node_of_rank=[0], gen=0))
+    p = Attachment(settings, meter)
     p.attach(model, optimizer, scheduler, state, rank=0, world_size=1, with_cuda=False,
-             plan=plan, fault_points=lambda it, phase: None)
+             link=link, fault_points=lambda it, phase: None)
     return p
 
 

@@ -33,6 +33,49 @@ def test_argparse_roundtrip():
     assert c.events_path == "e.jsonl"
 
 
+def test_choices_are_enum_members_parsed_once():
+    """Each choice is held as its enum's member, from keywords and from argparse alike; a
+    member equals its value (a ``str`` enum)."""
+    from megatron_deadpool.base.config import Audit, DrainSource, OnNoSpare, Transport
+
+    c = DeadpoolConfig(audit="full", on_no_spare="wait", mirror_transport="gloo",
+                       drain_source="direct")
+    assert (c.audit, c.on_no_spare, c.mirror_transport, c.drain_source) == (
+        Audit.FULL, OnNoSpare.WAIT, Transport.GLOO, DrainSource.DIRECT)
+    assert c.audit is Audit.FULL and c.audit == "full" and f"{c.audit}" == "full"
+    assert c.decider().spare_wait_s == c.spare_wait_timeout_s
+    p = add_deadpool_args(argparse.ArgumentParser())
+    d = DeadpoolConfig.from_args(p.parse_args(["--deadpool-drain-source", "direct"]))
+    assert d.drain_source is DrainSource.DIRECT and d.audit is Audit.WALK
+    assert d.on_no_spare is OnNoSpare.FAIL and d.decider().spare_wait_s == 0.0
+    with pytest.raises(SystemExit):
+        p.parse_args(["--deadpool-mirror-transport", "carrier-pigeon"])
+    with pytest.raises(ConfigError, match=r"--deadpool-on-no-spare must be one of \('fail', "
+                       r"'wait'\), got 'retry'"):
+        DeadpoolConfig(on_no_spare="retry")
+
+
+@pytest.mark.parametrize("call,why", [
+    ({"k": 1}, None),
+    ({"k": 0}, None),
+    ({"k": -1}, "--deadpool-replicas must be an integer >= 0, got -1"),
+    ({"k": True}, "must be an integer"),
+    ({"k": 0, "spare_nodes": 1}, "--deadpool-replicas 0 keeps only"),
+    ({"k": 0, "nodes": 1}, None),
+    ({"k": 2, "nodes": 3}, None),
+    ({"k": 2, "nodes": 2}, "2 replica(s) need at least 3 nodes"),
+    ({"k": 0, "name": "replicas", "least": 1}, "replicas must be an integer >= 1, got 0"),
+    ({"k": 3, "name": "--replicas", "least": 1, "most": 2}, "--replicas must be an integer "
+                                                             "in 1..2, got 3"),
+])
+def test_the_replicas_rule(call, why):
+    """One rule of K: an integer >= 0; 0 takes no spares; K >= 1 needs K + 1 nodes."""
+    from megatron_deadpool.base.config import replicas_refusal
+
+    got = replicas_refusal(**call)
+    assert got is None if why is None else why in got
+
+
 def test_unrebindable_configs_are_refused():
     from types import SimpleNamespace as NS
 

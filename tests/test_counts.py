@@ -11,7 +11,7 @@ def test_a_phase_gets_what_was_counted_while_it_ran():
     from megatron_deadpool.base.vocabulary import Phase
     from megatron_deadpool.recovery.phases import EventSink, PhaseTimer
 
-    t = PhaseTimer(EventSink(None), generation=1, rank=0)
+    t = PhaseTimer(EventSink(None))
     t.start(Phase.ABORT)
     counts.add("connections", 3)
     t.start(Phase.REBUILD_GROUPS)

@@ -8,6 +8,7 @@ import pytest
 
 from megatron_deadpool.base import faults
 from megatron_deadpool.base.errors import ConfigError
+from megatron_deadpool.base.plan import Drain, Plan
 from megatron_deadpool.base.state import RankState, Role, WorkerState
 from megatron_deadpool.membership import plan as plans
 from megatron_deadpool.membership import store as st
@@ -28,9 +29,12 @@ def test_a_drain_moves_the_nodes_ranks_to_spares_on_another_node():
     plan, why = drain_plan(_gen0(), DrainRequest(node=2, t=5.0), pool, NODE_OF_LID, t=6.0)
     assert why == "" and plan.gen == 1 and plan.failed_ranks == (4, 5)
     assert plan.spare_of_rank == {4: 8, 5: 9} and plan.rank(4) is None
-    assert plan.drain["node"] == 2 and plan.drain["leaving"] == [4, 5]
+    assert plan.drain == Drain(node=2, reason="request", to_standby=False, text="",
+                               leaving=(4, 5))
     assert plan.detect_s == 1.0  # the request until the plan
-    assert plans.Plan.from_json(plan.to_json()) == plan  # the drain travels with the plan
+    assert Plan.from_json(plan.to_json()) == plan  # the drain travels with the plan
+    assert plan.to_json()["drain"] == {"node": 2, "reason": "request", "to_standby": False,
+                                       "text": "", "leaving": [4, 5]}  # the signed format
 
 
 @pytest.mark.parametrize("node,pool,why", [
@@ -63,7 +67,7 @@ def test_the_decider_publishes_a_drain_answers_and_takes_the_leaving_exit_as_don
     _c(store).push_event("drain_request", node=3, reason="request", nonce="n2")  # waits
     d.step()
     plan = _c(store).get_plan(1)
-    assert plan.drain["node"] == 1 and plan.spare_of_rank == {2: 8, 3: 9}
+    assert plan.drain.node == 1 and plan.spare_of_rank == {2: 8, 3: 9}
     from megatron_deadpool.membership import auth
 
     body = auth.open_("secret", store.get(st.k("drain", "n1")), nonce="n1")
@@ -150,8 +154,8 @@ def test_every_rank_stops_at_the_highest_boundary_posted():
     bounds = [Boundary(m, lid) for lid in range(4)]
     for r, done in ((0, 7), (1, 6), (2, 6), (3, 6)):
         state = RankState(lid=r, node=r // 2, role=Role.ACTIVE, mode=WorkerState.ACTIVE,
-                          rank=r, iteration=done)
-        assert bounds[r].planned(1, live, state)  # a drain: the watcher does not abort
+                          plan=live, iteration=done)
+        assert bounds[r].planned(1, state)  # a drain: the watcher does not abort
     assert m.posted == {0: 8, 1: 7, 2: 7, 3: 7}
     assert [bounds[r].check(r, 4, 7) for r in (1, 2, 3)] == [None, None, None]
     assert [bounds[r].check(r, 4, 8) for r in range(4)] == [Action.SWAP, Action.SWAP,
@@ -186,8 +190,8 @@ def test_a_failures_plan_is_not_a_drain_for_the_watcher():
     m = _Member()
     m.plan = plans.next_plan(_gen0(), [2, 3], [(8, 4), (9, 4)], NODE_OF_LID, t=0.0)
     live = _gen0()
-    state = RankState(lid=0, node=0, role=Role.ACTIVE, mode=WorkerState.ACTIVE, rank=0)
-    assert not Boundary(m, 0).planned(1, live, state)  # the watcher aborts as before
+    state = RankState(lid=0, node=0, role=Role.ACTIVE, mode=WorkerState.ACTIVE, plan=live)
+    assert not Boundary(m, 0).planned(1, state)  # the watcher aborts as before
 
 
 def test_drain_and_slow_fault_specs():

@@ -43,7 +43,7 @@ WORKER = textwrap.dedent("""
 
 def _coordinator(secret):
     from megatron_deadpool.membership import store as st
-    from megatron_deadpool.membership.plan import Plan
+    from megatron_deadpool.base.plan import Plan
 
     server = st.connect("127.0.0.1", 0, 30.0, is_master=True)
     coord = st.Coordinator(server, secret)

@@ -15,7 +15,7 @@ from conftest import launch, layout_flags
 from megatron_deadpool.base.config import DeadpoolConfig, add_deadpool_args
 from megatron_deadpool.base.errors import ConfigError, MirrorCorruptError
 from megatron_deadpool.mirror import persist, snapshot
-from megatron_deadpool.mirror.held import HeldCopies
+from megatron_deadpool.mirror.held import HeldCopies, OwnSlots
 
 FLAGS = layout_flags(2, 2, 12)
 RUN = "0123456789abcdef"
@@ -33,22 +33,22 @@ class _FakeMirror:
         t = torch.arange(40, dtype=torch.float32) + rank
         self.layout = snapshot.Layout([("w", t)], 256)
         self.rank, self.job, self.t = rank, job, t
-        self.own = [snapshot.alloc_slot(self.layout.total_bytes, False) for _ in range(2)]
-        self.own_iter = [-1, -1]
+        self.own = OwnSlots(rank)
+        self.own.allocate(self.layout.total_bytes, False)
         self.held = HeldCopies(job)
 
     def ensure_layout(self):
         return self.layout
 
     def held_slots(self):
-        own = [(self.rank, it, self.own[it % 2]) for it in self.own_iter if it >= 0]
-        return own + self.held.copies()
+        return self.own.copies() + self.held.copies()
 
     def seal(self, iteration):
-        slot = self.own[iteration % 2]
+        self.own.rewrite(iteration)
+        slot = self.own.slot(iteration)
         snapshot.copy_tensors_in(slot, self.layout, [self.t * iteration])
         snapshot.seal(slot, self.layout, self.rank, iteration, {"iteration": iteration}, self.job)
-        self.own_iter[iteration % 2] = iteration
+        self.own.hold(iteration)
 
 
 def test_an_iteration_is_complete_only_with_every_rank(tmp_path):
@@ -70,7 +70,7 @@ def test_buddy_copies_complete_a_dead_ranks_files(tmp_path):
     owner, holder = _FakeMirror(0), _FakeMirror(1)
     owner.seal(6)
     holder.seal(6)
-    holder.held.slots = {0: [owner.own[0].clone(), owner.own[1].clone()]}
+    holder.held.slots = {0: [b.clone() for b in owner.own.buffers()]}
     holder.held.iters = {0: [6, -1]}
     saved = persist.save_held(holder, str(tmp_path), _manifest(2))  # the owner died: no save
     assert sorted((r, it) for r, it, _ in saved) == [(0, 6), (1, 6)]
@@ -80,7 +80,7 @@ def test_buddy_copies_complete_a_dead_ranks_files(tmp_path):
 def test_a_torn_slot_is_not_saved(tmp_path):
     m = _FakeMirror(0)
     m.seal(3)
-    m.own[1][200] ^= 0xFF  # flip a tensor byte after sealing
+    m.own.slot(3)[200] ^= 0xFF  # flip a tensor byte after sealing
     assert persist.save_held(m, str(tmp_path), _manifest(1)) == []
 
 
@@ -91,10 +91,10 @@ def test_resume_adopts_a_file_of_another_job_after_verifying_it(tmp_path):
     new = _FakeMirror(0, job=222)
     data = persist.read_slot(persist.scan(str(tmp_path)).path((8, RUN), 0))
     persist.adopt(new, data, 8, job=111)
-    meta = snapshot.verify(new.own[0], 0, 8, new.layout, job=222)
+    meta = snapshot.verify(new.own.slot(8), 0, 8, new.layout, job=222)
     assert meta == {"iteration": 8}
     out = torch.empty_like(new.t)
-    snapshot.copy_tensors_out(new.own[0], new.layout, [out])
+    snapshot.copy_tensors_out(new.own.slot(8), new.layout, [out])
     assert torch.equal(out, old.t * 8)
     data[300] ^= 0x01
     with pytest.raises(MirrorCorruptError, match="checksum"):
@@ -196,14 +196,14 @@ def test_a_corrupt_newest_file_falls_back_to_the_older_complete_iteration(tmp_pa
         key = persist.resume_from(
             persist.resume_candidates(saved, (2, 1, 1, 2)),
             lambda k: _load(m, saved, k), lambda ok: all_ok(rank, ok))
-        chosen[rank] = (key, m.own_iter[key[0] % 2])
+        chosen[rank] = (key, key[0] in m.own.iterations())
 
     threads = [threading.Thread(target=resume, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
-    assert chosen == {0: ((5, RUN), 5), 1: ((5, RUN), 5)}
+    assert chosen == {0: ((5, RUN), True), 1: ((5, RUN), True)}
     assert any("falling back to an older complete iteration" in r.message
                for r in caplog.records)
     assert any("checksum" in r.message for r in caplog.records)

@@ -14,7 +14,10 @@ SCRIPT = textwrap.dedent("""
     from megatron_deadpool.adapters import train_state as ts
     from megatron_deadpool.mirror.mirror import Mirror
     from megatron_deadpool.mirror.rounds import StoreRounds
-    from megatron_deadpool.control.protected import MirrorSettings, Protected
+    from types import SimpleNamespace
+
+    from megatron_deadpool.control.attachment import Attachment
+    from megatron_deadpool.control.link import MirrorSettings
 
     class GroupStepAdam(torch.optim.Optimizer):
         '''Adam as TE FusedAdam keeps it: step per param group, moments per param; empty
@@ -54,14 +57,14 @@ SCRIPT = textwrap.dedent("""
         meta = ts.capture(state.iteration, state, sched, opt, with_cuda=False)
         return shard.rank_digest(model, opt, meta) + json.dumps(steps())
 
-    p = Protected(MirrorSettings(replicas=1, create_timeout_s=60, op_timeout_s=60))
+    p = Attachment(MirrorSettings(replicas=1, create_timeout_s=60, op_timeout_s=60))
     p.model, p.optimizer, p.scheduler, p.train_state = model, opt, sched, state
     m = Mirror(0, 1)
     m.set_sources(lambda: shard.shard_tensors(opt, placeholders=True)
                   + shard.unreplicated_tensors(model, 1))
     m.transport, m.buddies, m.holds, m._sizes = solo.SoloTransport(), [], [], None
     p.mirror = m
-    p._rounds = StoreRounds(torch.distributed.HashStore(), 0, 1)  # as connect() makes it
+    link = SimpleNamespace(rounds=StoreRounds(torch.distributed.HashStore(), 0, 1))  # as Links.connect makes it
     p._initial_commit_pending = True
     p.before_step(0)
     for _ in range(3):
@@ -73,7 +76,7 @@ SCRIPT = textwrap.dedent("""
     at4 = digest()
     out = {"steps_at_4": steps()}
 
-    assert p.restore(0) == 3
+    assert p.restore(0, link) == 3
     out["rollback_steps"] = steps()
     out["rollback_bitwise"] = digest() == at3
     solo.step(args, model, opt, sched, state)
@@ -87,7 +90,7 @@ SCRIPT = textwrap.dedent("""
             g.pop("step", None)
         d._init_optimizer_states_with_dummy_values()
     out["spare_steps_before"] = steps()
-    assert p.restore(0) == 3
+    assert p.restore(0, link) == 3
     out["spare_steps"] = steps()
     out["spare_bitwise"] = digest() == at3
     m.close()

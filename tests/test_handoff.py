@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_deadpool.mirror import handoff, snapshot
+from megatron_deadpool.mirror import handoff
 from test_fallback import _FakeMirror
 
 SECRET = "s" * 32
@@ -37,9 +37,9 @@ def test_the_spare_adopts_the_draining_ranks_own_slot():
     sender = handoff.Sender(draining, old, "127.0.0.1", SECRET, 4, 5, 6, timeout_s=20)
     got = handoff.receive(spare, new, "127.0.0.1", SECRET, 4, 5, timeout_s=20)
     assert sender.join(20) and sender.error is None and got == 6
-    assert spare.own_iter[0] == 6
-    assert torch.equal(snapshot.sealed(spare.own[0]), snapshot.sealed(draining.own[0]))
-    assert sender.sent_bytes == snapshot.sealed(draining.own[0]).numel()
+    assert spare.own.iterations() == [6]
+    assert torch.equal(spare.own.sealed(6), draining.own.sealed(6))
+    assert sender.sent_bytes == draining.own.sealed(6).numel()
 
 
 def test_a_slot_of_another_rank_is_refused_and_nothing_is_adopted(caplog):
@@ -48,7 +48,7 @@ def test_a_slot_of_another_rank_is_refused_and_nothing_is_adopted(caplog):
     draining.seal(6)
     sender = handoff.Sender(draining, old, "127.0.0.1", SECRET, 4, 5, 6, timeout_s=20)
     assert handoff.receive(spare, new, "127.0.0.1", SECRET, 4, 5, timeout_s=20) is None
-    assert sender.join(20) and spare.own_iter == [-1, -1]
+    assert sender.join(20) and spare.own.iterations() == []
     assert "holds rank 4 iteration 6" in caplog.text and "buddy's copy" in caplog.text
 
 
@@ -56,7 +56,7 @@ def test_no_sender_ends_at_the_bound_with_nothing_adopted():
     _, _, new = _stores()
     spare = _mirror(5)
     assert handoff.receive(spare, new, "127.0.0.1", SECRET, 4, 5, timeout_s=0.5) is None
-    assert spare.own_iter == [-1, -1]
+    assert spare.own.iterations() == []
 
 
 def test_an_aborted_sender_stops():

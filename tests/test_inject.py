@@ -98,6 +98,18 @@ def test_fault_is_frozen_and_checked():
         Fault("kill", "3", rank=1)
 
 
+def test_kinds_are_one_enum_described_once():
+    """Every ``Kind`` is described in ``KINDS``; a fault holds the member, whatever it was
+    given (a spec, JSON or a keyword), and the actions bind by it."""
+    assert list(inject.KINDS) == list(inject.Kind)
+    assert all(k is inject.KINDS[k].name for k in inject.Kind)
+    f = inject.parse_fault("drain:node=2@iter=8")
+    assert f.kind is inject.Kind.DRAIN and f.kind == "drain"
+    assert inject.from_json(inject.to_json([f]))[0].kind is inject.Kind.DRAIN
+    assert Fault("kill", 1, node=0).kind is inject.Kind.KILL
+    assert '"kind":"drain"' in inject.to_json([f])
+
+
 def test_describe_round_trips():
     for spec in ["kill:node=1@iter=12", "stop:rank=3@iter=9,phase=mirror"]:
         assert inject.parse_fault(spec).describe() == spec

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_deadpool.base.errors import ConfigError
-from megatron_deadpool.adapters import lm_rules
+from megatron_deadpool.adapters import lm_rules, tags
 from megatron_deadpool.megatron import tree
 from mlm import REPO, apply_patches, pristine_tree
 
@@ -45,8 +45,8 @@ def test_refuses_an_edited_training_py(mlm_tree):
     r = apply_patches(mlm_tree)
     assert r.returncode == 2
     assert "megatron/training/training.py" in r.stderr and "differs" in r.stderr
-    # a tree that matches neither tag (a core_v0.18.0, say): both supported tags named
-    assert "core_v0.16.1 (55ac708)" in r.stderr and "core_v0.19.0 (5be9626)" in r.stderr
+    # a tree that matches neither tag (a core_v0.18.0, say): every supported tag named
+    assert all(f"{t.name} ({t.commit[:7]})" in r.stderr for t in tags.TAGS), r.stderr
     assert not tree.is_patched(str(mlm_tree))
 
 
@@ -74,8 +74,9 @@ def test_patch_series_is_small_and_only_calls_the_package(tag):
         for hunk in re.split(r"^@@.*@@.*$", text, flags=re.M)[1:]:
             plus = [x for x in hunk.splitlines() if x.startswith("+") and not x.startswith("+++")]
             added += len(plus)
-            assert any("deadpool_lm" in x for x in plus), f"{p.name}: a hunk without a call " \
-                f"into megatron_deadpool:\n{hunk}"
+            # into the module, or on the session it returns (join, session)
+            assert any("deadpool_lm" in x or re.search(r"\bdeadpool\.\w+", x) for x in plus), \
+                f"{p.name}: a hunk without a call into megatron_deadpool:\n{hunk}"
     assert 0 < added <= 150
     readme = (REPO / "README.md").read_text()
     assert f"{tag}: adds {added} lines" in readme  # the README states the count

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import launch
+from megatron_deadpool.adapters.tags import NAMES
 from megatron_deadpool.base.vocabulary import PHASE_ORDER
 from mlm import patched_tree, pristine_tree, python_for
 
@@ -22,12 +23,18 @@ FLAGS = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", 
          "--use-distributed-optimizer"]
 
 
-# Both supported tags (tags.py). CI runs the whole set on the newest and one hot swap on the
-# older one (the issue's budget); `make test-all` runs everything on both.
-NEWEST = "core_v0.19.0"
-OLDER = "core_v0.16.1"
-ON_NEWEST_IN_CI = [pytest.param(NEWEST, marks=pytest.mark.ci, id=NEWEST),
-                   pytest.param(OLDER, id=OLDER)]
+# Every supported tag (tags.py), newest first. CI runs the whole set on the newest and one
+# hot swap on the one before it (the issue's budget); `make test-all` runs everything on all.
+EVERY = tuple(reversed(NAMES))
+NEWEST, OLDER = EVERY[0], EVERY[1]
+
+
+def in_ci_on(ci_tag):
+    """Every tag, the one CI runs marked ``ci``."""
+    return [pytest.param(t, marks=[pytest.mark.ci] if t == ci_tag else [], id=t) for t in EVERY]
+
+
+ON_NEWEST_IN_CI = in_ci_on(NEWEST)
 
 _TREES = {}
 
@@ -65,7 +72,7 @@ def run(tmp_path_factory):
     return go
 
 
-@pytest.mark.parametrize("tag", [NEWEST, OLDER])  # CI: the hot swap compares two runs too
+@pytest.mark.parametrize("tag", EVERY)  # CI: the hot swap compares two runs too
 def test_patched_script_is_deterministic(run, tag):
     a = run(tag, "deadpool-a", "patched", FLAGS + ["--deadpool"], spares=1)
     b = run(tag, "deadpool-b", "patched", FLAGS + ["--deadpool"], spares=1)
@@ -74,8 +81,7 @@ def test_patched_script_is_deterministic(run, tag):
     assert a["recoveries"] == [] and a["mirror"]["mirror_bytes_per_rank"] > 0
 
 
-@pytest.mark.parametrize("tag", [pytest.param(NEWEST, id=NEWEST),
-                                 pytest.param(OLDER, marks=pytest.mark.ci, id=OLDER)])
+@pytest.mark.parametrize("tag", in_ci_on(OLDER))
 def test_hot_swap_in_the_real_script(run, tag):
     """The must-show of both tags: node 1 killed at 7, bitwise with the failure-free run.
     CI runs it on the older tag; on the newest, CI's test_bf16_through_a_swap makes the
@@ -92,7 +98,7 @@ def test_hot_swap_in_the_real_script(run, tag):
     assert s["losses"] == ref["losses"]
 
 
-@pytest.mark.parametrize("tag", [NEWEST, OLDER])
+@pytest.mark.parametrize("tag", EVERY)
 def test_mirror_off_patched_matches_unpatched(run, tag):
     off = run(tag, "patched-off", "patched", FLAGS)
     unpatched = run(tag, "unpatched", "unpatched", FLAGS)

@@ -15,7 +15,7 @@ from megatron_deadpool.launch.summary import mirror_failures
 from megatron_deadpool.mirror.commit import CommitTracker, RejectionBoard
 from megatron_deadpool.mirror.mirror import Mirror
 from megatron_deadpool.recovery import alarms
-from megatron_deadpool.control import protected
+from megatron_deadpool.control import attachment, link
 from megatron_deadpool.base.worker_env import PROGRESS_PREFIX
 from conftest import launch, layout_flags
 from test_mirror_host import _Pair, _named
@@ -103,7 +103,7 @@ def test_an_iteration_posted_as_rejected_commits_nowhere():
 
 def _protected(committed):
     events = []
-    p = protected.Protected(protected.MirrorSettings(create_timeout_s=1.0, op_timeout_s=1.0),
+    p = attachment.Attachment(link.MirrorSettings(create_timeout_s=1.0, op_timeout_s=1.0),
                             emit=lambda event, **f: events.append((event, f)))
     p.mirror = SimpleNamespace(rank=3, committed=committed)
     return p, events

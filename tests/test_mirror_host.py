@@ -165,12 +165,12 @@ def test_a_buddy_gets_the_sealed_bytes_only():
         m.transport, m.buddies, m.holds, m._sizes = t, [1], [1], None
         m.begin(1, {"iteration": 1})
         m.wait()
-        h = snapshot.read_header(m.own[1])
+        h = snapshot.read_header(m.own.slot(1))
         assert t.sent == [h["tensor_end"] + h["meta_len"]]
         assert t.sent[0] < m.layout.total_bytes
         # what arrived is our own slot's used part: byte for byte, the rest untouched
         got = m.held.slots[1][1]
-        assert torch.equal(got[:t.sent[0]], m.own[1][:t.sent[0]])
+        assert torch.equal(got[:t.sent[0]], m.own.slot(1)[:t.sent[0]])
         assert not got[t.sent[0]:].any()
     finally:
         m.close()
@@ -225,7 +225,7 @@ def test_a_held_copy_is_checksummed_when_needed_and_a_damaged_one_left_out():
         slot = ms[1].held.slots[0][0]  # rank 1's copy of rank 0's iteration 2
         slot[ms[1].layout.entries[1].offset + 3] ^= 0x10  # damaged in memory after arrival
         assert ms[1].inventory()["copies"] == {"0": [1]}
-        assert ms[1].holds_copy(0, 1) and not ms[1].holds_copy(0, 2)
+        assert ms[1].held.holds(0, 1) and not ms[1].held.holds(0, 2)
         ms[0].begin(3, {"iteration": 3})  # a new arrival is checked again
         ms[1].begin(3, {"iteration": 3})
         for m in ms:

@@ -20,7 +20,7 @@ PICKLERS = {"pickle", "cPickle", "_pickle", "dill", "marshal", "cloudpickle"}
 
 # module -> why its mentions read nobody else's bytes
 LOCAL = {
-    "recovery/quiet.py": "names Megatron's collectives to silence them on a promoted spare's "
+    "adapters/quiet.py": "names Megatron's collectives to silence them on a promoted spare's "
                          "build thread; its stand-in copies this rank's own value and never "
                          "calls an object collective itself",
 }

@@ -1,9 +1,11 @@
-"""The membership plan (membership/plan.py): pure next_plan, JSON round trip, 16k ranks."""
+"""The membership plan (base/plan.py) and its rule (membership/plan.py): pure next_plan,
+JSON round trip, 16k ranks."""
 
 import pytest
 
 from megatron_deadpool.base.errors import NoSpareError
-from megatron_deadpool.membership.plan import Plan, initial_plan, next_plan
+from megatron_deadpool.base.plan import Plan
+from megatron_deadpool.membership.plan import initial_plan, next_plan
 
 
 def job(world=8, per_node=2, spare_nodes=1):

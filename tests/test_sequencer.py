@@ -1,5 +1,5 @@
-"""The recovery sequencer (control/runtime.py, its steps in control/recovery.py) in-process, with fakes for membership, the
-communicators and the protected state: no subprocess, no torch.distributed. The decisions
+"""The recovery sequencer (control/runtime.py, its steps in control/steps.py) in-process,
+with fakes for membership, the communicators, the attachment and the generation's link: no subprocess, no torch.distributed. The decisions
 are checked here in milliseconds: a local error fails fast, a communication error without a
 new generation is re-raised after the heartbeat timeout, a cascade moves to the next
 generation, and a lost buddy is terminal."""
@@ -10,7 +10,7 @@ import pytest
 
 from megatron_deadpool.base.config import DeadpoolConfig
 from megatron_deadpool.base.errors import JobStopped, NoCommittedStateError, stopped
-from megatron_deadpool.membership.plan import Plan
+from megatron_deadpool.base.plan import Plan
 from megatron_deadpool.base.state import Role, WorkerState
 from megatron_deadpool.membership.store import GenerationMoved
 from megatron_deadpool.control.runtime import Runtime
@@ -127,7 +127,7 @@ class FakeWorld:
         pass
 
 
-class FakeProtected:
+class FakeAttachment:
     def __init__(self, restore=lambda rank: 5):
         self.restores = 0
         self._restore = restore
@@ -136,25 +136,13 @@ class FakeProtected:
     def status(self):
         return {"committed": -1, "compute_s": None}
 
-    def abort_transport(self):
-        pass
-
     def quiesce(self, timeout_s):
         pass
 
-    def release_groups(self):
-        self.released = getattr(self, "released", 0) + 1
-
-    def connect(self, plan):
+    def use(self, link):
         pass
 
-    def settle_groups(self):
-        pass
-
-    def rebind(self, plan, audit, old_groups):
-        return None
-
-    def restore(self, rank):
+    def restore(self, rank, link):
         self.restores += 1
         return self._restore(rank)
 
@@ -168,12 +156,32 @@ class FakeProtected:
         pass
 
 
-def runtime(protected=None):
+class FakeLinks:
+    def __init__(self):
+        self.current = None
+        self.released = 0
+
+    def connect(self, plan):
+        self.current = object()
+        return self.current
+
+    def abort(self):
+        pass
+
+    def retire(self):
+        self.current = None
+
+    def release(self):
+        self.released += 1
+        return []
+
+
+def runtime(attachment=None):
     cfg = DeadpoolConfig(enabled=True, heartbeat_interval_s=0.1, heartbeat_timeout_s=HB_TIMEOUT,
                          audit="none")
     member, world = FakeMember(), FakeWorld()
     rt = Runtime(cfg, WorkerEnv(lid=0, node=0, store_port=1, rank=0, world_size=2), member,
-                 world, protected or FakeProtected(), EventSink(None))
+                 world, attachment or FakeAttachment(), FakeLinks(), EventSink(None))
     rt.join()
     rt.state = rt.state.enter(WorkerState.ACTIVE).at(6)  # attached, 6 iterations done
     return rt, member, world
@@ -210,7 +218,7 @@ def test_declared_failure_recovers_even_if_the_plan_comes_later():
     wait_for_plan = member.wait_for_plan
     member.wait_for_plan = lambda *a: (member.publish(plan(1)), wait_for_plan(*a))[1]
     rt.recover(ConnectionError("Connection reset by peer"))
-    assert rt.plan.gen == 1 and rt.att.restores == 1
+    assert rt.state.generation == 1 and rt.att.restores == 1
 
 
 def test_aborted_generation_recovers_on_the_next_one():
@@ -218,8 +226,8 @@ def test_aborted_generation_recovers_on_the_next_one():
     member.publish(plan(1))
     world.aborted = True  # the watcher saw generation 1 and aborted the communicators
     rt.recover(RuntimeError("anything the blocked collective raised"))
-    assert rt.plan.gen == 1 and world.formed == [0, 1] and rt.att.restores == 1
-    assert rt.state.mode == WorkerState.ACTIVE and rt.att.released == 1  # after the abort
+    assert rt.state.generation == 1 and world.formed == [0, 1] and rt.att.restores == 1
+    assert rt.state.mode == WorkerState.ACTIVE and rt.links.released == 1  # after the abort
     rt.step_done(6)
     assert rt.recoveries[0]["restored_iter"] == 5
     assert rt.recoveries[0]["iteration_at_failure"] == 6
@@ -231,7 +239,7 @@ def test_cascade_in_rendezvous_moves_to_the_next_generation():
     member.fail_arrive_at = {1}  # a second peer dies while generation 1 forms
     world.aborted = True
     rt.recover(RuntimeError("first failure"))
-    assert member.arrivals == [0, 1, 2] and world.formed == [0, 2] and rt.plan.gen == 2
+    assert member.arrivals == [0, 1, 2] and world.formed == [0, 2] and rt.state.generation == 2
     assert rt.att.restores == 1
 
 
@@ -245,11 +253,11 @@ def test_cascade_in_restore_starts_a_new_attempt():
             raise ConnectionError("Connection closed by peer")  # a holder died mid-restore
         return 5
 
-    rt, member, world = runtime(FakeProtected(restore))
+    rt, member, world = runtime(FakeAttachment(restore))
     member.publish(plan(1))
     world.aborted = True
     rt.recover(RuntimeError("first failure"))
-    assert len(calls) == 2 and rt.plan.gen == 2 and world.formed == [0, 1, 2]
+    assert len(calls) == 2 and rt.state.generation == 2 and world.formed == [0, 1, 2]
 
 
 def test_restore_waits_for_every_member_and_a_spare_dying_meanwhile_moves_on():
@@ -262,7 +270,7 @@ def test_restore_waits_for_every_member_and_a_spare_dying_meanwhile_moves_on():
     world.aborted = True
     rt.recover(RuntimeError("first failure"))
     assert member.readies == [1, 2] and rt.att.restores == 1  # never restored in gen 1
-    assert rt.plan.gen == 2 and world.formed == [0, 1, 2]
+    assert rt.state.generation == 2 and world.formed == [0, 1, 2]
     assert rt.state.mode == WorkerState.ACTIVE
 
 
@@ -271,7 +279,7 @@ def test_primary_and_buddy_lost_is_terminal():
         raise NoCommittedStateError("the state of rank(s) [1] is held by no living process; "
                                     "last committed iteration 5")
 
-    rt, member, world = runtime(FakeProtected(restore))
+    rt, member, world = runtime(FakeAttachment(restore))
     member.publish(plan(1))
     world.aborted = True
     with pytest.raises(NoCommittedStateError, match="last committed iteration 5"):
@@ -304,7 +312,7 @@ def test_a_failed_join_closes_the_runtime(monkeypatch):
     cfg = DeadpoolConfig(enabled=True, heartbeat_interval_s=0.1, heartbeat_timeout_s=HB_TIMEOUT)
     env = WorkerEnv(lid=8, node=4, role="spare", store_port=1)
     monkeypatch.setattr(api.Deadpool, "_make_runtime", lambda self, env: Runtime(
-        cfg, env, member, FakeWorld(), FakeProtected(), EventSink(None)))
+        cfg, env, member, FakeWorld(), FakeAttachment(), FakeLinks(), EventSink(None)))
     with pytest.raises(TimeoutError):
         api.Deadpool.start(cfg, env=env)
     assert getattr(member, "closed", False)
@@ -316,25 +324,26 @@ def test_a_promoted_spares_phases_tile_its_recovery(tmp_path):
     restore, then its first step, each closed by the next (recovery/phases.py)."""
     import json
 
-    class SpareProtected(FakeProtected):
-        def quiet_startup(self):
-            self.calls.append("quiet")
+    calls = []
 
-        def connect(self, plan):
-            self.calls.append("connect")
-
+    class SpareAttachment(FakeAttachment):
         def attach(self, *args, **kwargs):
-            self.calls.append("attach")
+            calls.append("attach")
+
+    class SpareLinks(FakeLinks):
+        def connect(self, plan):
+            calls.append("connect")
+            return super().connect(plan)
 
     member = FakeMember()
     member.publish(plan(1, lid=8, rank=0))
     events = tmp_path / "events.jsonl"
     cfg = DeadpoolConfig(enabled=True, heartbeat_interval_s=0.1, heartbeat_timeout_s=HB_TIMEOUT,
                          audit="none", events_path=str(events))
-    att = SpareProtected()
-    att.calls = []
+    att = SpareAttachment()
     rt = Runtime(cfg, WorkerEnv(lid=8, node=4, role="spare", store_port=1), member,
-                 FakeWorld(), att, EventSink(str(events)))
+                 FakeWorld(), att, SpareLinks(), EventSink(str(events)))
+    rt.quiet.start = lambda: calls.append("quiet")  # its solitary model build
     rt.join()
     assert rt.state.role is Role.PROMOTED and rt.state.rank == 0
     rt.initialize_model_parallel({})
@@ -343,7 +352,7 @@ def test_a_promoted_spares_phases_tile_its_recovery(tmp_path):
     rt.before_step(5)
     assert rt.state.role is Role.ACTIVE  # its solitary startup is over
     rt.step_done(6)
-    assert att.calls == ["connect", "quiet", "attach"] and att.restores == 1
+    assert calls == ["connect", "quiet", "attach"] and att.restores == 1
     report = rt.recoveries[0]
     assert report["spare"] and report["generation"] == 1
     phases = [json.loads(line) for line in events.read_text().splitlines()]

@@ -9,7 +9,7 @@ import time
 
 from megatron_deadpool.membership import member as mb
 from megatron_deadpool.membership import store as st
-from megatron_deadpool.membership.plan import Plan
+from megatron_deadpool.base.plan import Plan
 
 SECRET = "s" * 32
 

@@ -174,7 +174,7 @@ def test_random_records_on_every_key_read_are_ignored_never_a_crash(monkeypatch)
     raises, and none acts on a forged record."""
     from types import SimpleNamespace
 
-    from megatron_deadpool.membership.plan import Plan
+    from megatron_deadpool.base.plan import Plan
 
     clock = Clock()
     monkeypatch.setattr(records, "time", SimpleNamespace(monotonic=clock))
@@ -311,7 +311,7 @@ def test_records_the_decider_owns_are_put_back_after_a_forger_overwrote_them():
     """A plan, the generation pointer, a failure declaration and the shutdown flag have one
     writer and many pollers: an overwrite would hide them from every later look. The
     writer puts them back; what it no longer owns (a superseded plan) it leaves alone."""
-    from megatron_deadpool.membership.plan import Plan
+    from megatron_deadpool.base.plan import Plan
 
     store = dist.HashStore()
     coord = st.Coordinator(store, SECRET)

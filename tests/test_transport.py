@@ -11,8 +11,8 @@ import torch.multiprocessing as mp
 from megatron_deadpool.mirror.rounds import StoreRounds
 from megatron_deadpool.mirror.socket_transport import SocketTransport
 from megatron_deadpool.base.errors import ConfigError
-from megatron_deadpool.mirror.transport import (GlooTransport, TransportContext,
-                                                create_transport, transport_names)
+from megatron_deadpool.mirror.gloo_transport import GlooTransport
+from megatron_deadpool.mirror.transport import TransportContext, create_transport, transport_names
 from megatron_deadpool.recovery.classify import is_comm_failure
 
 WORLD = 3
@@ -82,7 +82,7 @@ def _worker(rank, kind, port, errq):
         store = torch.distributed.TCPStore("127.0.0.1", port, WORLD, rank == 0,
                                            wait_for_workers=False)
         torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
-        # built by name through the registry, as the runtime builds it (control/protected.py):
+        # built by name through the registry, as the runtime builds it (control/link.py):
         # the gloo transport's collectives are its group's, the others' the store's rounds
         gen = torch.distributed.PrefixStore("t/", store)
         collectives = (GlooTransport(timeout_s=60) if kind == "gloo"
@@ -91,7 +91,7 @@ def _worker(rank, kind, port, errq):
                                                     "127.0.0.1", SECRET, 0, timeout_s=60))
         _conformance(t, rank)
         _peer_death(t, rank, store)
-        t.release()  # the generation's end, as Protected.release_groups calls it
+        t.release()  # the generation's end, as Links.release calls it
         errq.put(None)
     except BaseException:  # noqa: BLE001
         errq.put(traceback.format_exc())

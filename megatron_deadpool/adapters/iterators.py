@@ -15,6 +15,8 @@ import contextlib
 import functools
 from typing import Any, List, Optional, Tuple
 
+from .quiet import CollectiveSuppressor
+
 
 class PretrainIterators:
     def __init__(self, get_args=None) -> None:
@@ -67,7 +69,6 @@ class PretrainIterators:
         the do_* broadcast) run suppressed on every rank, exactly as on a promoted spare;
         the do_* flags stay as restored."""
         from ..base.errors import ConfigError
-        from ..recovery.quiet import CollectiveSuppressor
 
         if dataset_provider is None:
             raise ConfigError("lm.attach() was called without the dataset provider; the "

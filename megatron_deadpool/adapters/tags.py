@@ -1,18 +1,24 @@
 """The Megatron-LM tags the package supports, and the one place where it acts differently
 per tag (an adapter per tag: ``Tag``'s fields below the identity).
 
-A tree is identified by the sha256 of the files the tag's patch series touches (or by its
-git commit, in ``scripts/apply_patches.sh``), never by ``megatron/core/package_info.py``:
-core_v0.19.0 was tagged on the version-bump commit and says 0.19.1. ``patches/<tag>/`` holds
-each series and its manifest (``files.sha256``); ``FILES`` below repeats the manifest for an
-installed package without the repository (``tests/test_tags.py`` keeps them equal).
+Each tag is described once, in ``patches/<tag>/``: ``COMMIT`` (its git commit),
+``files.sha256`` (pre-image sha256, post-image sha256 and path of every file its patch series
+touches) and ``tag.json`` (what the series does not show: the tree's version string, the
+oldest Python, the adapter's fields). This module reads them: from the copy an installed
+package ships (``setup.py``), else from the repository's ``patches/`` (a checkout, an editable
+install). A tree is identified by the sha256 of the files the series touches (or by its git
+commit, in ``scripts/apply_patches.sh``), never by ``megatron/core/package_info.py``:
+core_v0.19.0 was tagged on the version-bump commit and says 0.19.1.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 from ..base.errors import ConfigError
@@ -36,6 +42,11 @@ class Tag:
     # after a restore every rank forgets them and the collective runs on all ranks again
     collective_caches: Tuple[str, ...] = ()
 
+    @property
+    def label(self) -> str:
+        """How messages name the tag: its name and short commit."""
+        return f"{self.name} ({self.commit[:7]})"
+
     def forget_collective_caches(self, optimizer) -> None:
         for opt in [optimizer, *(getattr(optimizer, "chained_optimizers", None) or [])]:
             for attr in self.collective_caches:
@@ -43,34 +54,61 @@ class Tag:
                     setattr(opt, attr, None)
 
 
-TAGS = (
-    Tag("core_v0.16.1", "55ac7082517c3878ae653c07c09c534b8aed49f6", "0.16.1", (3, 10), {
-        "megatron/training/arguments.py": (
-            "cf7544e48b49c9ebce2160e2369ee0c8bd6560c17dfc7c34fda2df9997629639",
-            "ffd547913ba5342b504ede8a2a63b62766898b0ba65ef05c5807d03cc7471a4a"),
-        "megatron/training/initialize.py": (
-            "68683f66b33aea6d80d880473e26e578d0158d4d0aa86e77bee70dad750c6f58",
-            "63bb0c244f5ab81fd2f93caf9afa697f54f3055d46105cb3102ea602096ec746"),
-        "megatron/training/training.py": (
-            "457cd234a88659aa395a988366e60e61f2c9d16a51df7efc8cc09c1f22fd48b1",
-            "834d85c9db3795ef238381fa2dd39c54bdca7eff9a49ed24b98c176d6d3af886"),
-    }),
-    Tag("core_v0.19.0", "5be9626709af2722333bf54797c954c09edeada3", "0.19.1", (3, 12), {
-        "megatron/training/arguments.py": (
-            "f7fad20bc0e0cd9ba4b9ba7e70fa1a1b77030dfd020a7edb50b1d3b3aa41ebf6",
-            "f22f0f774a61825135c745d6d0619a26682384ddceeec01e6faf1fc46ceae227"),
-        "megatron/training/initialize.py": (
-            "a9657afc72c7b236eda0ecdad3bc292615f492f8aa962b4f411c2f3c1314751d",
-            "8acf849f48afa82a0b9973bb84aecfc7482257ede089121ee31834e920e70545"),
-        "megatron/training/training.py": (
-            "d968ef8216f63d6373372190ac895fc905234c116bba3e804d2951876e6ad98c",
-            "1bec36557e2dbe7919372df83c97e36b4ac3b093d318cea8ae2fb208ef9f6d84"),
-    }, eval_kwargs=("pg_collection", "p2p_communicator"),
-        bucket_group_resets={"grad_reduce_finished": False},
-        train_group_holders=("pg_collection", "p2p_communicator"),
-        collective_caches=("_has_grad_norm_group_cache",)),
-)
+_ABOUT = ("package_version", "python", "eval_kwargs", "bucket_group_resets",
+          "train_group_holders", "collective_caches")  # tag.json's keys
+
+
+def _series_root() -> Optional[Path]:
+    """Where the descriptions are: an installed package's copy, else the repository's."""
+    package = Path(__file__).resolve().parents[1]
+    for root in (package / "patches", package.parent / "patches"):
+        if any(root.glob("core_v*/COMMIT")):
+            return root
+    return None
+
+
+def _version_key(name: str) -> Tuple[int, ...]:
+    return tuple(int(n) for n in re.findall(r"\d+", name))
+
+
+def _read(d: Path) -> Tag:
+    """One tag from its folder: ``COMMIT``, ``files.sha256`` and ``tag.json``."""
+    files = {}
+    for line in (d / "files.sha256").read_text().splitlines():
+        pre, post, path = line.split()
+        files[path] = (pre, post)
+    about = json.loads((d / "tag.json").read_text())
+    unknown = sorted(set(about) - set(_ABOUT))
+    if unknown:
+        raise ValueError(f"{d / 'tag.json'}: unknown keys {unknown} (known: {_ABOUT})")
+    major, minor = (int(n) for n in about["python"].split("."))
+    return Tag(d.name, (d / "COMMIT").read_text().strip(), about["package_version"],
+               (major, minor), files,
+               eval_kwargs=tuple(about.get("eval_kwargs", ())),
+               bucket_group_resets=dict(about.get("bucket_group_resets", {})),
+               train_group_holders=tuple(about.get("train_group_holders", ())),
+               collective_caches=tuple(about.get("collective_caches", ())))
+
+
+def _load() -> Tuple[Tag, ...]:
+    root = _series_root()
+    if root is None:  # a broken install: every tree is refused, saying why (patched_tag)
+        return ()
+    dirs = sorted((c.parent for c in root.glob("core_v*/COMMIT")),
+                  key=lambda d: _version_key(d.name))
+    return tuple(_read(d) for d in dirs)
+
+
+TAGS = _load()  # oldest first
 NAMES = tuple(t.name for t in TAGS)
+
+
+def named(name: str) -> Tag:
+    """The supported tag called ``name`` (a KeyError names the supported ones)."""
+    for tag in TAGS:
+        if tag.name == name:
+            return tag
+    raise KeyError(f"{name} is not a supported Megatron-LM tag; supported: {supported()}")
 
 
 def _sha(path: str) -> Optional[str]:
@@ -98,7 +136,10 @@ def identify(root: str) -> Tuple[Optional[Tag], str]:
 
 
 def supported() -> str:
-    return ", ".join(f"{t.name} ({t.commit[:7]})" for t in TAGS)
+    if not TAGS:
+        return "none (this installation lacks the tags' descriptions, patches/<tag>/: " \
+               "reinstall megatron-deadpool)"
+    return ", ".join(t.label for t in TAGS)
 
 
 def patched_tag(root: str) -> Tag:

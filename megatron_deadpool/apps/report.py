@@ -18,8 +18,10 @@ from typing import Dict, List, Optional, Tuple
 
 from ..base.vocabulary import RECOVERY_PHASES, Event, Phase
 
-PHASE_COLORS = dict(zip(RECOVERY_PHASES, ("#d62728", "#ff7f0e", "#bcbd22", "#9467bd",
-                                          "#17becf", "#2ca02c")))
+# one colour per recovery phase, in the phase list's order: a new phase gets the next one
+PALETTE = ("#d62728", "#ff7f0e", "#bcbd22", "#9467bd", "#17becf", "#2ca02c", "#8c564b",
+           "#e377c2", "#7f7f7f")
+PHASE_COLORS = {ph: PALETTE[i % len(PALETTE)] for i, ph in enumerate(RECOVERY_PHASES)}
 
 
 @dataclass

@@ -6,15 +6,89 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Tuple
+from typing import Mapping, Optional, Tuple, Type, TypeVar
 
 from .errors import ConfigError
 from .sections import SECTION_TIMEOUTS_S, Section, checked_timeouts, parse_section_timeouts
+from .vocabulary import ValueEnum
 
-AUDIT_MODES = ("none", "walk", "full")
-NO_SPARE_POLICIES = ("fail", "wait")
-MIRROR_TRANSPORTS = ("socket", "gloo")
-DRAIN_SOURCES = ("direct", "buddy")  # mirror/handoff.py
+# Each choice of a ``--deadpool-*`` flag is one enum: its values are the flag's choices, and
+# ``DeadpoolConfig`` holds its members (a ``str`` enum: a member equals its value).
+
+
+class Audit(ValueEnum):
+    """``--deadpool-audit``: what proves, after a rebuild, that no old group is reachable."""
+
+    NONE = "none"
+    WALK = "walk"  # re-walk the attached objects (recovery/rebind.py)
+    FULL = "full"  # also scan the whole heap
+
+
+class OnNoSpare(ValueEnum):
+    """``--deadpool-on-no-spare``: what a failure with no spare left does."""
+
+    FAIL = "fail"  # stop the job, naming the last committed iteration
+    WAIT = "wait"  # wait for a spare to join (``deadpool launch --join-as-spare``)
+
+
+class Transport(ValueEnum):
+    """``--deadpool-mirror-transport``: the selectable mirror transports, a deliberate list
+    (each is registered by its value in ``mirror/transport.py``'s registry)."""
+
+    SOCKET = "socket"  # a TCP connection per (rank, buddy) pair
+    GLOO = "gloo"      # the mirror's gloo group
+
+
+class DrainSource(ValueEnum):
+    """``--deadpool-drain-source``: where a drained node's ranks take their state from
+    (mirror/handoff.py)."""
+
+    DIRECT = "direct"  # the draining process (the buddy's copy if that fails)
+    BUDDY = "buddy"    # the buddy's copy
+
+
+# the selectable transports, as a tuple (tests/test_transport.py: each one is registered)
+MIRROR_TRANSPORTS = tuple(Transport)
+_Choice = TypeVar("_Choice", bound=ValueEnum)
+
+
+def values(choice: Type[ValueEnum]) -> Tuple[str, ...]:
+    """A choice's values, in declaration order (a flag's ``choices``)."""
+    return tuple(m.value for m in choice)
+
+
+def parse_choice(choice: Type[_Choice], value: object, flag: str) -> _Choice:
+    """``value`` (a member or its value) as a member of ``choice``; ConfigError naming
+    ``flag`` and the values otherwise."""
+    try:
+        return choice(value)
+    except ValueError:
+        raise ConfigError(f"{flag} must be one of {values(choice)}, got {value!r}") from None
+
+
+def replicas_refusal(k: object, name: str = "--deadpool-replicas", least: int = 0,
+                     most: Optional[int] = None, nodes: Optional[int] = None,
+                     spare_nodes: int = 0) -> Optional[str]:
+    """The one rule of K, the buddy copies of each rank's state: None when ``k`` keeps it,
+    else why not, naming K as the caller's user knows it (``name``).
+
+    K is an integer >= 0. K = 0 keeps only each rank's local double-buffered snapshot: no
+    copy a spare could restore from, so no spare nodes. K >= 1 puts each copy on another
+    node, so the job needs K + 1 nodes. Context narrows it: the placement, which is only
+    asked for buddies, gives ``least=1``; the capacity planner, whose table covers K = 1 and
+    2, gives ``least`` and ``most``; ``nodes`` and ``spare_nodes`` where they are known."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < least or (
+            most is not None and k > most):
+        bound = f">= {least}" if most is None else f"in {least}..{most}"
+        return f"{name} must be an integer {bound}, got {k!r}"
+    if k == 0 and spare_nodes > 0:
+        return (f"{name} 0 keeps only each rank's local snapshot (no buddy copy), so no spare "
+                "could restore a dead rank's state: it cannot be combined with --spare-nodes "
+                f"{spare_nodes}; use {name} >= 1 for fault tolerance")
+    if nodes is not None and nodes < k + 1:
+        return (f"{name}: {k} replica(s) need at least {k + 1} nodes (each copy on another "
+                f"node), the job has {nodes} node(s)")
+    return None
 
 
 @dataclass(frozen=True)
@@ -29,19 +103,19 @@ class DeadpoolConfig:
     rendezvous_timeout_s: float = 120.0
     collective_timeout_s: float = 600.0
     events_path: Optional[str] = None
-    audit: str = "walk"
+    audit: Audit = Audit.WALK
     max_local_restarts: int = 0
-    on_no_spare: str = "fail"
+    on_no_spare: OnNoSpare = OnNoSpare.FAIL
     spare_wait_timeout_s: float = 600.0
     # survivors wait this long for a promoted spare to build its model before the restore
     spare_ready_timeout_s: float = 600.0
     fallback_save_dir: Optional[str] = None
     fallback_every: int = 0
     resume_dir: Optional[str] = None
-    mirror_transport: str = "socket"
+    mirror_transport: Transport = Transport.SOCKET
     # a drain's moved ranks take their state from the buddy's copy ("buddy", measured the
     # faster: docs/planned-swaps.md) or from the draining rank ("direct"): mirror/handoff.py
-    drain_source: str = "buddy"
+    drain_source: DrainSource = DrainSource.BUDDY
     # --deadpool-straggler-swap FACTOR:WINDOW: a node whose ranks' compute time per
     # iteration stays above FACTOR x the median for WINDOW iterations is drained
     straggler_swap: Optional[Tuple[float, int]] = None
@@ -50,8 +124,9 @@ class DeadpoolConfig:
     section_timeouts_s: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.replicas < 0:
-            raise ConfigError(f"--deadpool-replicas must be >= 0, got {self.replicas}")
+        why = replicas_refusal(self.replicas)
+        if why:
+            raise ConfigError(why)
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "progress_timeout_s",
                      "rendezvous_timeout_s", "collective_timeout_s"):
             if getattr(self, name) <= 0:
@@ -72,9 +147,7 @@ class DeadpoolConfig:
         if self.max_local_restarts < 0:
             raise ConfigError(f"--deadpool-max-local-restarts must be >= 0, got "
                               f"{self.max_local_restarts}")
-        if self.on_no_spare not in NO_SPARE_POLICIES:
-            raise ConfigError(f"--deadpool-on-no-spare must be one of {NO_SPARE_POLICIES}, "
-                              f"got {self.on_no_spare!r}")
+        self._parse("on_no_spare", OnNoSpare)
         if not self.spare_ready_timeout_s > 0:
             raise ConfigError("--deadpool-spare-ready-timeout must be > 0, got "
                               f"{self.spare_ready_timeout_s}")
@@ -85,20 +158,20 @@ class DeadpoolConfig:
             raise ConfigError(f"--deadpool-fallback-every must be >= 0, got {self.fallback_every}")
         if self.fallback_every and not self.fallback_save_dir:
             raise ConfigError("--deadpool-fallback-every needs --deadpool-fallback-save DIR")
-        if self.mirror_transport not in MIRROR_TRANSPORTS:
-            raise ConfigError(f"--deadpool-mirror-transport must be one of {MIRROR_TRANSPORTS}, "
-                              f"got {self.mirror_transport!r}")
-        if self.drain_source not in DRAIN_SOURCES:
-            raise ConfigError(f"--deadpool-drain-source must be one of {DRAIN_SOURCES}, got "
-                              f"{self.drain_source!r}")
+        self._parse("mirror_transport", Transport)
+        self._parse("drain_source", DrainSource)
         if self.straggler_swap is not None and not (
                 self.straggler_swap[0] > 1 and self.straggler_swap[1] >= 1):
             raise ConfigError("--deadpool-straggler-swap FACTOR:WINDOW needs FACTOR > 1 and "
                               f"WINDOW >= 1, got {self.straggler_swap}")
-        if self.audit not in AUDIT_MODES:
-            raise ConfigError(f"--deadpool-audit must be one of {AUDIT_MODES}, got {self.audit!r}")
+        self._parse("audit", Audit)
         object.__setattr__(self, "section_timeouts_s", checked_timeouts(
             self.section_timeouts_s, self.heartbeat_timeout_s))
+
+    def _parse(self, name: str, choice: Type[ValueEnum]) -> None:
+        """The field ``name`` as a member of ``choice`` (given a member or its value, from
+        argparse, keywords or JSON alike): parsed once, here."""
+        object.__setattr__(self, name, parse_choice(choice, getattr(self, name), _flag(name)))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DeadpoolConfig":
@@ -113,14 +186,14 @@ class DeadpoolConfig:
             events_path=args.deadpool_events,
             audit=args.deadpool_audit,
             max_local_restarts=getattr(args, "deadpool_max_local_restarts", 0),
-            on_no_spare=getattr(args, "deadpool_on_no_spare", "fail"),
+            on_no_spare=getattr(args, "deadpool_on_no_spare", OnNoSpare.FAIL),
             spare_wait_timeout_s=getattr(args, "deadpool_spare_wait_timeout", 600.0),
             spare_ready_timeout_s=getattr(args, "deadpool_spare_ready_timeout", 600.0),
             fallback_save_dir=getattr(args, "deadpool_fallback_save", None),
             fallback_every=getattr(args, "deadpool_fallback_every", 0),
             resume_dir=getattr(args, "deadpool_resume", None),
-            mirror_transport=getattr(args, "deadpool_mirror_transport", "socket"),
-            drain_source=getattr(args, "deadpool_drain_source", "buddy"),
+            mirror_transport=getattr(args, "deadpool_mirror_transport", Transport.SOCKET),
+            drain_source=getattr(args, "deadpool_drain_source", DrainSource.BUDDY),
             straggler_swap=parse_straggler_swap(getattr(args, "deadpool_straggler_swap", None)),
             count_work=bool(getattr(args, "deadpool_count_work", False)),
             section_timeouts_s=parse_section_timeouts(
@@ -166,7 +239,7 @@ class DeadpoolConfig:
                              local_restart_wait_s=self.rendezvous_timeout_s / 2,
                              take_plan_timeout_s=self.take_plan_timeout_s,
                              spare_wait_s=(self.spare_wait_timeout_s
-                                           if self.on_no_spare == "wait" else 0.0),
+                                           if self.on_no_spare is OnNoSpare.WAIT else 0.0),
                              straggler_swap=self.straggler_swap)
 
 
@@ -208,7 +281,7 @@ class DeciderConfig:
 
 
 def _flag(field_name: str) -> str:
-    return "--deadpool-" + field_name.replace("_s", "").replace("_", "-")
+    return "--deadpool-" + field_name.removesuffix("_s").replace("_", "-")
 
 
 def add_deadpool_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -226,7 +299,7 @@ def add_deadpool_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     _add_timing_args(g, d)
     g.add_argument("--deadpool-events", default=None, metavar="FILE",
                    help="append one JSON line per recovery phase to FILE")
-    g.add_argument("--deadpool-audit", choices=AUDIT_MODES, default=d.audit,
+    g.add_argument("--deadpool-audit", choices=values(Audit), default=d.audit,
                    help="after a rebuild, prove no old process group is reachable: 'walk' re-walks "
                         "the attached objects (fast), 'full' also scans the whole heap "
                         "(default %(default)s)")
@@ -234,7 +307,7 @@ def add_deadpool_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    metavar="N", help="a process that crashes on a healthy node is restarted in "
                    "its slot, up to N times per rank, instead of spending a spare node; spares "
                    "are for dead nodes (default %(default)s)")
-    g.add_argument("--deadpool-on-no-spare", choices=NO_SPARE_POLICIES, default=d.on_no_spare,
+    g.add_argument("--deadpool-on-no-spare", choices=values(OnNoSpare), default=d.on_no_spare,
                    help="a failure with no spare left: 'fail' stops the job naming the last "
                    "committed iteration; 'wait' waits for a spare to join (`deadpool launch "
                    "--join-as-spare`) (default %(default)s)")
@@ -259,7 +332,7 @@ def add_deadpool_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--deadpool-resume", default=None, metavar="DIR",
                    help="start from the newest iteration saved in DIR for every rank "
                    "(by --deadpool-fallback-save); bitwise the run that saved it")
-    g.add_argument("--deadpool-mirror-transport", choices=MIRROR_TRANSPORTS,
+    g.add_argument("--deadpool-mirror-transport", choices=values(Transport),
                    default=d.mirror_transport, help="how snapshots reach the buddies: "
                    "'socket', a TCP connection per (rank, buddy) pair, or 'gloo', the mirror's "
                    "gloo group, which runs the collectives either way (default %(default)s)")
@@ -272,7 +345,7 @@ def add_deadpool_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 def _add_drain_args(g, d: DeadpoolConfig) -> None:
     """Planned swaps (membership/drain.py)."""
-    g.add_argument("--deadpool-drain-source", choices=DRAIN_SOURCES,
+    g.add_argument("--deadpool-drain-source", choices=values(DrainSource),
                    default=d.drain_source, help="where a drained node's ranks' state comes "
                    "from: 'buddy', the buddy's copy, or 'direct', straight from the draining "
                    "process (the buddy's copy if that fails) (default %(default)s)")

@@ -14,7 +14,7 @@
                                                                store (gloo's rendezvous, the
                                                                mirror's addresses) and on the
                                                                membership store's main connection
-    messages, bytes   mirror/transport.py, socket_transport    the mirror's sends, receives and
+    messages, bytes   mirror/transport_api.py (the backends)   the mirror's sends, receives and
                                                                collectives (inventory, commits)
 
 ``PhaseTimer`` (recovery/phases.py) takes a ``snapshot`` when a phase begins and adds the

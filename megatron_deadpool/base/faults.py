@@ -44,19 +44,33 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .errors import ConfigError
-from .vocabulary import FAULT_PHASES, Phase
+from .vocabulary import FAULT_PHASES, Phase, ValueEnum
 
 NODE_SIGNAL_WAIT_S = 10.0  # a node fault's victim, then it signals itself (no agent pass)
 
 
+class Kind(ValueEnum):
+    """A fault kind's name (``kind:...`` in a spec); what it does is in ``KINDS``."""
+
+    KILL = "kill"
+    STOP = "stop"
+    TERM = "term"
+    SEGV = "segv"
+    RAISE = "raise"
+    DROP = "drop"
+    IMPOSTOR = "impostor"
+    DRAIN = "drain"
+    SLOW = "slow"
+
+
 @dataclass(frozen=True)
 class FaultKind:
-    """One kind of fault, the only place a kind is declared. A signal kind is delivered as
+    """One kind of fault, the only place a kind is described. A signal kind is delivered as
     ``signal`` (to the process that reaches the point; its node agent signals the node's
-    others). Any other kind is an action the worker binds by name (``actions`` of
+    others). Any other kind is an action the worker binds by its ``Kind`` (``actions`` of
     :class:`FaultPoints`: ``recovery/fault_points.py``)."""
 
-    name: str
+    name: Kind
     signal: Optional[str] = None  # e.g. "SIGKILL"; None: an action in the rank
     rank_only: bool = False       # targets one rank (kind:rank=N), never a node
     claimed: bool = True          # fires once in the job (False: on every rank it targets)
@@ -64,23 +78,23 @@ class FaultKind:
     what: str = ""
 
 
-KINDS: Dict[str, FaultKind] = {k.name: k for k in (
-    FaultKind("kill", "SIGKILL", what="the process dies"),
-    FaultKind("stop", "SIGSTOP", what="the process hangs"),
-    FaultKind("term", "SIGTERM", what="the process is asked to stop"),
-    FaultKind("segv", "SIGSEGV", what="the process crashes"),
+KINDS: Dict[Kind, FaultKind] = {k.name: k for k in (
+    FaultKind(Kind.KILL, "SIGKILL", what="the process dies"),
+    FaultKind(Kind.STOP, "SIGSTOP", what="the process hangs"),
+    FaultKind(Kind.TERM, "SIGTERM", what="the process is asked to stop"),
+    FaultKind(Kind.SEGV, "SIGSEGV", what="the process crashes"),
     # a local error raised by the rank itself (an exception in its step): the job must fail
     # fast, no recovery
-    FaultKind("raise", claimed=False, what="an exception in the rank's step"),
+    FaultKind(Kind.RAISE, claimed=False, what="an exception in the rank's step"),
     # the rank rejects every mirror copy it receives from then on (a holder that loses
     # copies; no failure: the run goes on unprotected)
-    FaultKind("drop", rank_only=True, what="the rank's held copies are rejected"),
+    FaultKind(Kind.DROP, rank_only=True, what="the rank's held copies are rejected"),
     # the rank starts a foreign mirror client (the listeners must refuse it)
-    FaultKind("impostor", rank_only=True, what="a client without the secret knocks"),
+    FaultKind(Kind.IMPOSTOR, rank_only=True, what="a client without the secret knocks"),
     # a drain of the node is requested (the path of `deadpool drain`: membership/drain.py)
-    FaultKind("drain", what="the node is drained: its ranks move to spares"),
+    FaultKind(Kind.DRAIN, what="the node is drained: its ranks move to spares"),
     # every targeted process computes FACTOR times slower from then on (a straggler)
-    FaultKind("slow", claimed=False, factor=True, what="it computes F times slower"),
+    FaultKind(Kind.SLOW, claimed=False, factor=True, what="it computes F times slower"),
 )}
 SIGNALS = {k.name: k.signal for k in KINDS.values() if k.signal}
 PHASES = tuple(p.value for p in FAULT_PHASES)
@@ -99,10 +113,10 @@ def _is_int(v) -> bool:
 
 @dataclass(frozen=True)
 class Fault:
-    """One fault: ``kind`` ('kill' | 'stop') on a node or a rank (exactly one of them) at
-    ``iteration`` in ``phase``; ``index`` is its position in the schedule."""
+    """One fault: ``kind`` on a node or a rank (exactly one of them) at ``iteration`` in
+    ``phase``; ``index`` is its position in the schedule."""
 
-    kind: str
+    kind: Kind
     iteration: int
     node: Optional[int] = None
     rank: Optional[int] = None
@@ -114,6 +128,7 @@ class Fault:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ConfigError(f"fault kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        object.__setattr__(self, "kind", Kind(self.kind))  # JSON and specs give the value
         if self.phase not in PHASES:
             raise ConfigError(f"fault phase must be one of {', '.join(PHASES)}, "
                               f"got {self.phase!r}")
@@ -266,16 +281,16 @@ class FaultPoints:
     """The worker side of a schedule. ``claim(index)`` returns True for exactly one caller in
     the whole job (a store counter), so a fault fires once even when a replacement re-runs
     the iteration; ``report(fault, iteration, phase)`` tells the launcher before it acts.
-    ``actions``: what each kind without a signal does in this worker, by kind name."""
+    ``actions``: what each kind without a signal does in this worker, by its ``Kind``."""
 
     def __init__(self, faults: Sequence[Fault], rank: Callable[[], int], node: int,
                  claim: Callable[[int], bool], report: Callable[[Fault, int, str], None],
                  kill: Callable[[int], None] = lambda sig: os.kill(os.getpid(), sig),
-                 actions: Optional[Dict[str, Action]] = None):
+                 actions: Optional[Dict[Kind, Action]] = None):
         self.faults = [f for f in faults if f.at_s is None]
         self.rank, self.node = rank, node
         self.claim, self.report, self.kill = claim, report, kill
-        self.actions: Dict[str, Action] = {"raise": self._raise_local, **(actions or {})}
+        self.actions: Dict[Kind, Action] = {Kind.RAISE: self._raise_local, **(actions or {})}
         self.lasting: List[Callable[[], None]] = []  # effects of faults that fired before
 
     def due(self, iteration: int, phase: str) -> List[Fault]:

@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from .config import replicas_refusal
+
 GB = 10 ** 9
 META_BYTES = 1 << 16
 SHARD_BYTES_PER_ELEMENT = 12  # fp32 main param + exp_avg + exp_avg_sq
@@ -157,8 +159,10 @@ def plan(preset: dict, system_name: str, nodes: Optional[int] = None,
 
 def refusal(table: Dict, replicas: int) -> Optional[str]:
     """None when the mirror with ``replicas`` copies fits, else the reason, naming the limit."""
-    if replicas not in table["replicas"]:
-        raise PlanError(f"--replicas must be 1 or 2, got {replicas}")
+    why = replicas_refusal(replicas, "--replicas", least=min(table["replicas"]),
+                           most=max(table["replicas"]))
+    if why:
+        raise PlanError(why)
     need = table["replicas"][replicas]["host_bytes_per_node"]
     if need <= table["host_limit_bytes"]:
         return None

@@ -1,6 +1,7 @@
 """One worker's state, in one frozen object (after NVRx ``inprocess/state.py``): who it is
 (``Role``), what it is doing (``WorkerState``, which its heartbeats report), its rank and
-world in the current generation, and the iteration it has completed. The runtime replaces it
+world in the current generation (read from the generation's ``Plan``, which it carries), and
+the iteration it has completed. The runtime replaces it
 at each transition; everything below reads the copy it is handed.
 
     Role:         SPARE ──promote──► PROMOTED ──first step──► ACTIVE
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from .plan import Plan
 from .vocabulary import ValueEnum
 
 
@@ -34,26 +36,38 @@ class WorkerState(ValueEnum):
 
 @dataclasses.dataclass(frozen=True)
 class RankState:
+    """The plan is the rank's truth: its rank, world size and generation are read from the
+    plan it took (none yet: a standby spare, or a process that has not joined)."""
+
     lid: int                          # launcher process id (stable for the process's life)
     node: int
     role: Role
     mode: WorkerState = WorkerState.STANDBY
-    rank: Optional[int] = None        # None: a standby spare
-    world_size: int = 0
-    generation: int = -1
+    plan: Optional[Plan] = None       # the generation this process is a member of
     iteration: int = 0                # iterations completed (restored ones included)
 
-    def promote(self, rank: int, world_size: int, generation: int) -> "RankState":
-        """A standby spare takes a dead rank's id."""
+    @property
+    def rank(self) -> Optional[int]:
+        """None: a standby spare (or not joined yet)."""
+        return self.plan.rank(self.lid) if self.plan is not None else None
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size if self.plan is not None else 0
+
+    @property
+    def generation(self) -> int:
+        return self.plan.gen if self.plan is not None else -1
+
+    def promote(self, plan: Plan) -> "RankState":
+        """A standby spare takes a dead rank's id in ``plan``."""
         if self.role is not Role.SPARE:
             raise ValueError(f"only a spare is promoted, not a {self.role.value} process")
-        return dataclasses.replace(self, role=Role.PROMOTED, rank=rank, world_size=world_size,
-                                   generation=generation)
+        return dataclasses.replace(self, role=Role.PROMOTED, plan=plan)
 
-    def adopt(self, rank: int, world_size: int, generation: int) -> "RankState":
+    def adopt(self, plan: Plan) -> "RankState":
         """This process's rank in a generation's plan."""
-        return dataclasses.replace(self, rank=rank, world_size=world_size,
-                                   generation=generation)
+        return dataclasses.replace(self, plan=plan)
 
     def enter(self, mode: WorkerState) -> "RankState":
         return dataclasses.replace(self, mode=mode)

@@ -1,29 +1,32 @@
 """One worker's enabled runtime (used through ``api.Deadpool``): a sequencer over
-membership, the communicators (``world.py``) and what it protects (``protected.py``). It
-holds the worker's one frozen ``RankState`` (base/state.py) and replaces it at each change.
+membership, the communicators (``world.py``), what it protects (``attachment.py``, and the
+group holders: ``holders.py``) and the current generation's link (``link.py``). It holds the
+worker's one frozen ``RankState`` (base/state.py), which carries the plan, and replaces it
+at each change.
 
-    recovery = abort ─► rendezvous ─► rebuild_groups ─► restore_state (recovery.py, each
-               taking and returning the Attempt) ─► timed first step; a failure inside one
-               starts the next on a newer generation (MAX_ATTEMPTS). A promoted spare walks
-               the last three in join / initialize_model_parallel / attach. A drain's plan
-               is applied at an agreed step boundary (recovery/boundary.py), on the same path.
+    recovery = the SURVIVOR sequence (steps.py: abort ─► rendezvous ─► rebuild_groups ─►
+               restore_state, each taking and returning the Attempt) ─► timed first step; a
+               failure inside one starts the next on a newer generation (MAX_ATTEMPTS). A
+               promoted spare walks the SPARE sequence in join / initialize_model_parallel /
+               attach. A drain's plan is applied at an agreed step boundary
+               (recovery/boundary.py), on the same path.
 A failure is a membership fact, not an exception type (``_membership_changed``). """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from typing import Iterator, List, Optional
 
-from ..base.config import DeadpoolConfig
+from ..adapters.quiet import CollectiveSuppressor
+from ..base.config import DeadpoolConfig, DrainSource
 from ..base.errors import DeadpoolError, JobStopped, NoCommittedStateError
+from ..base.plan import Plan
 from ..base.state import RankState, Role, WorkerState
 from ..base.vocabulary import SECTION_PHASES, Event, Phase
 from ..base.worker_env import WorkerEnv
 from ..membership.member import Member
-from ..membership.plan import Plan
 from ..membership.store import EventKind
 from ..recovery.boundary import Action, Boundary, PlannedSwap
 from ..recovery.classify import failed_again, is_comm_failure, is_peer_failure
@@ -32,8 +35,10 @@ from ..recovery.formation import form_world, rank_in
 from ..recovery.phases import Attempt, EventSink, PhaseTimer
 from ..recovery.stall import StallWatch
 from ..recovery.world import World
-from .protected import Protected
-from .recovery import RecoverySteps
+from .attachment import Attachment
+from .holders import GroupHolders
+from .link import Links
+from .steps import SPARE, SURVIVOR, Crew, RebuildGroups, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -43,22 +48,25 @@ NEW_GEN_POLL_S = 0.02
 
 class Runtime:
     def __init__(self, config: DeadpoolConfig, env: WorkerEnv, member: Member, world: World,
-                 protected: Protected, sink: EventSink, with_cuda: bool = False):
+                 attachment: Attachment, links: Links, sink: EventSink,
+                 with_cuda: bool = False):
         self.config, self.env, self.with_cuda = config, env, with_cuda
-        self.member, self.world, self.att, self.sink = member, world, protected, sink
-        self.state = RankState(lid=env.lid, node=env.node, role=env.role,
-                               rank=env.rank, world_size=env.world_size)
-        self.faults = worker_fault_points(env, member, lambda: self.state.rank, protected)
-        world.also_on_abort(protected.abort_transport)  # the mirror's sockets (abort.py)
-        self.plan: Optional[Plan] = None
+        self.member, self.world, self.att, self.sink = member, world, attachment, sink
+        self.links, self.holders = links, GroupHolders()
+        self.state = RankState(lid=env.lid, node=env.node, role=env.role)
+        self.faults = worker_fault_points(env, member, lambda: self.state.rank, attachment,
+                                          links)
+        world.also_on_abort(links.abort)  # the mirror's sockets are not abort.py's
         self.recoveries: List[dict] = []
         self._first_step: Optional[tuple] = None
-        self._spare_timer: Optional[PhaseTimer] = None  # a promoted spare's own phases
+        self._startup: Optional[Attempt] = None  # a promoted spare's walk, between calls
         self._closed = False
         self.stall = StallWatch(config.take_plan_timeout_s * 0.75)  # before the decider fences
         self.boundary = Boundary(member, env.lid)  # planned swaps (membership/drain.py)
-        self.steps = RecoverySteps(config, member, world, protected, sink, self.faults,
-                                   lambda: self.state.rank, lambda: self.plan, self._adopt)
+        crew = Crew(config, member, world, attachment, self.holders, links, sink, self.faults,
+                    lambda: self.state, self._adopt, CollectiveSuppressor())
+        self.survivor, self.spare = Sequence(crew, SURVIVOR), Sequence(crew, SPARE)
+        self.quiet, self.first_groups = crew.quiet, RebuildGroups(crew).first
 
     @property
     def promoted(self) -> bool:
@@ -71,13 +79,13 @@ class Runtime:
     # ================================================================ membership
     def join(self) -> None:
         self.member.admit(self._status, self._on_generation, self._on_stop)
-        spare = self.state.role is Role.SPARE
-        plan = self._standby() if spare else self.member.initial_plan()
-        self._form_world(plan, with_groups=False)
-        if self.promoted:  # a spare's world formed (maybe on a newer generation than its plan)
-            self._spare_timer.start(Phase.REBUILD_GROUPS, generation=self.plan.gen)
+        if self.state.role is Role.SPARE:  # its world forms in its rendezvous step
+            self._startup = self.spare.run(self._standby(), through=Phase.RENDEZVOUS)
+        else:
+            form_world(self.member.initial_plan(), self._adopt, self.member, self.world,
+                       self.config.rendezvous_timeout_s, with_groups=False)
 
-    def _standby(self) -> Plan:
+    def _standby(self) -> Attempt:
         log.info("standby spare on node %s: waiting for an assignment", self.env.node)
         try:
             plan = self.member.wait_for_plan(min_gen=1, timeout_s=None)
@@ -85,64 +93,52 @@ class Runtime:
             log.info("spare released: %s", exc)
             self.close(destroy=False)
             raise SystemExit(0) from None
-        rank = plan.rank(self.env.lid)
-        self.state = self.state.promote(rank, plan.world_size, plan.gen)
-        self._spare_timer = PhaseTimer(self.sink, plan.gen, rank)
-        self._spare_timer.start(Phase.RENDEZVOUS)  # until its world forms (join)
+        self.state = self.state.promote(plan)
+        rank = self.state.rank
         self.sink.emit(Event.PROMOTED, lid=self.env.lid, rank=rank, generation=plan.gen)
-        return plan
+        return Attempt(cause=DeadpoolError("promoted"), iteration_at_failure=None,
+                       generation=plan.gen, rank=rank, timer=PhaseTimer(self.sink),
+                       role=self.state.role, startup=True)
 
     def _status(self) -> dict:
         return {"iteration": self.state.iteration, "state": self.state.mode,  # heartbeats
-                "gen": self.member.taken_gen, **self.att.status()}
+                "gen": self.state.generation, **self.att.status()}
 
     def _on_generation(self, gen: int) -> None:
-        if self.boundary.planned(gen, self.plan, self.state):
+        if self.boundary.planned(gen, self.state):
             return  # a drain: every rank stops at the boundary they agree on
         self.world.abort(f"generation {gen} published", self.state.rank, newer_than=gen)
-        self.stall.observe(gen, self.plan.gen if self.plan is not None else None)
+        self.stall.observe(gen, self.state.generation if self.state.plan is not None else None)
 
     def _on_stop(self, reason: str) -> None:
         if self.state.mode not in (WorkerState.DONE, WorkerState.STANDBY):
             self.world.abort("job stopped: " + reason, self.state.rank)
 
     def _adopt(self, plan: Plan) -> int:
-        """This process's rank in ``plan`` (Megatron reads the environment)."""
+        """This process's rank in ``plan``: the state carries the plan from here on."""
         if plan.rank(self.env.lid) is None and (self.promoted or self.boundary.drained(
-                self.plan, plan)):  # drained, or a spare whose drain a failure undid
+                self.state.plan, plan)):  # drained, or a spare whose drain a failure undid
             self.boundary.leave_after(self.config.spare_ready_timeout_s, plan)
         rank = rank_in(plan, self.env.lid)
-        self.state = self.state.adopt(rank, plan.world_size, plan.gen)
-        self.plan = plan
-        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(plan.world_size)
+        self.state = self.state.adopt(plan)
         return rank
 
-    def _form_world(self, plan: Plan, with_groups: bool) -> None:
-        self.plan = form_world(plan, self._adopt, self.member, self.world,
-                               self.config.rendezvous_timeout_s, with_groups)
-
     def initialize_model_parallel(self, kwargs: dict) -> None:
-        """First build of the model-parallel groups (recorded, replayed on every rebuild)."""
-        try:
-            self.world.build_groups(kwargs)
-        except Exception as exc:  # noqa: BLE001 - classified right below
-            if not is_peer_failure(exc, aborted=False):
-                raise
-            self.world.destroy()
-            nxt = self.member.wait_for_plan(self.plan.gen + 1,
-                                            self.config.rendezvous_timeout_s, exc)
-            self._form_world(nxt, with_groups=True)
-        self.world.set_collective_timeouts()
-        self.att.connect(self.plan)  # the mirror's group, with the others
-        if self.promoted:
-            self._spare_timer.start(Phase.RESTORE_STATE)  # its model build and restore
-            self.att.quiet_startup()
+        """First build of the model-parallel groups (recorded, replayed on every rebuild),
+        and the generation's link. A promoted spare's is its rebuild_groups step."""
+        if self._startup is None:
+            self.first_groups(kwargs)
+            return
+        self._startup.group_kwargs = kwargs
+        self._startup = self.spare.run(self._startup, through=Phase.REBUILD_GROUPS)
 
     # ================================================================ attach and loop
     def attach(self, model, optimizer, scheduler, train_state) -> None:
+        self.quiet.stop()  # a promoted spare's model is built
+        link = self.links.current or self.links.connect(self.state.plan)  # built outside us
         self.att.attach(model, optimizer, scheduler, train_state, self.state.rank,
-                        self.state.world_size, self.with_cuda, self.plan,
-                        fault_points=self.faults)
+                        self.state.world_size, self.with_cuda, link, fault_points=self.faults)
+        self.holders.attach(model, optimizer)
         self.state = self.state.enter(WorkerState.ACTIVE)
         if self.config.resume_dir and not self.promoted:
             it = self.att.resume(self.config.resume_dir, self.state.world_size)
@@ -150,19 +146,18 @@ class Runtime:
             self.sink.emit(Event.RESUMED, rank=self.state.rank, iteration=it,
                            dir=self.config.resume_dir)
             return
-        if not self.promoted:
+        if self._startup is None:
             return
-        attempt = Attempt(cause=DeadpoolError("promoted"), iteration_at_failure=None,
-                          timer=self._spare_timer, plan=self.plan, role=self.state.role)
+        startup, self._startup = self._startup, None
         try:
-            self._begin_first_step(self.steps.restore_state(attempt))
+            self._begin_first_step(self.spare.run(startup))  # its restore_state step
         except Exception as exc:  # noqa: BLE001 - a peer failed while this spare restored
             if not failed_again(exc, self.world.aborted):
                 raise
             self._recover_until_done(exc, iteration_at_failure=None)
 
     def protect_groups_of(self, holders) -> None:
-        self.att.protect_groups_of(holders)
+        self.holders.add(holders)
 
     def before_step(self, iteration: int) -> None:
         self.state = self.state.first_step()  # a promoted spare's solitary startup is over
@@ -181,8 +176,23 @@ class Runtime:
         self.sink.emit(Event.DRAIN_BOUNDARY, generation=gen, rank=self.state.rank,
                        iteration=iteration, action=action.value)
         if action is Action.LEAVE:  # exits once the swap is done, or rejoins a newer plan
-            self.steps.leave(self.boundary, gen, self.state.rank, iteration)
+            self._leave(gen, iteration)
         raise PlannedSwap(f"planned swap to generation {gen} at iteration {iteration}")
+
+    def _leave(self, gen: int, iteration: int) -> None:
+        """The drained node's process at the agreed boundary (snapshot ``iteration`` is at
+        the buddies): with ``--deadpool-drain-source direct`` its own slot goes straight to
+        the spare taking its rank (mirror/handoff.py, on a thread) while it waits until the
+        swap is done (SystemExit(0)), or until a newer plan makes it a member again
+        (PlannedSwap: the sending stops)."""
+        timeout_s = self.config.spare_ready_timeout_s
+        sender = self.links.hand_off(self.att, gen, self.state.rank, timeout_s, iteration) \
+            if self.config.drain_source is DrainSource.DIRECT else None
+        try:
+            self.boundary.leave_after(timeout_s, moved=PlannedSwap)
+        finally:
+            if sender is not None:
+                sender.abort()
 
     def step_done(self, iteration: int) -> Optional[dict]:
         """After ``iteration``: its snapshot begins; the report of a recovery it completed."""
@@ -216,7 +226,7 @@ class Runtime:
         timer.stop()  # the first step
         report.update(phases_s=timer.durations, counts=timer.counts,
                       t_done=time.time())  # wall clock
-        self.member.report_recovery(self.plan.gen, self.state.rank, report)
+        self.member.report_recovery(self.state.generation, self.state.rank, report)
         self.recoveries.append(report)
         return report
 
@@ -253,7 +263,7 @@ class Runtime:
         deadline = time.monotonic() + cfg.heartbeat_timeout_s + 2 * cfg.heartbeat_interval_s + 1
         while time.monotonic() < deadline:
             self.member.raise_if_stopped()
-            if self.member.membership_moved(self.plan.gen):
+            if self.member.membership_moved(self.state.generation):
                 return True
             time.sleep(NEW_GEN_POLL_S)
         return False
@@ -262,11 +272,11 @@ class Runtime:
                             ) -> None:
         for attempt in range(1, MAX_ATTEMPTS + 1):
             a = Attempt(cause=exc, iteration_at_failure=iteration_at_failure,
-                        timer=PhaseTimer(self.sink, self.plan.gen + 1, self.state.rank),
-                        role=self.state.role)
+                        generation=self.state.generation + 1, rank=self.state.rank,
+                        timer=PhaseTimer(self.sink), role=self.state.role)
             try:
                 self.state = self.state.enter(WorkerState.RECOVERING)
-                self._begin_first_step(self.steps.run(a))
+                self._begin_first_step(self.survivor.run(a))
                 self.state = self.state.enter(WorkerState.ACTIVE)
                 self.boundary.done()
                 return
@@ -282,12 +292,13 @@ class Runtime:
 
     def _begin_first_step(self, a: Attempt) -> None:
         self.state = self.state.at(a.restored)
-        report = {"generation": self.plan.gen, "rank": self.state.rank, "lid": self.env.lid,
+        gen = self.state.generation
+        report = {"generation": gen, "rank": self.state.rank, "lid": self.env.lid,
                   "spare": a.spare, "restored_iter": a.restored, "state_from": a.state_from,
                   "iteration_at_failure": a.iteration_at_failure,
-                  "failed_ranks": list(self.plan.failed_ranks)}
-        log.info("generation %s: restored iteration %s", self.plan.gen, a.restored)
-        self.sink.emit(Event.RESTORED, generation=self.plan.gen, rank=self.state.rank,
+                  "failed_ranks": list(self.state.plan.failed_ranks)}
+        log.info("generation %s: restored iteration %s", gen, a.restored)
+        self.sink.emit(Event.RESTORED, generation=gen, rank=self.state.rank,
                        iteration=a.restored)
         a.phase(Phase.FIRST_STEP)
         self._first_step = (a.timer, report)
@@ -296,10 +307,12 @@ class Runtime:
     def finish(self) -> dict:
         self._report_recovery()
         info = self.att.finish_info()
+        if info:
+            info.update(self.links.summary())
         self.state = self.state.enter(WorkerState.DONE)
         self.member.push_event(EventKind.DONE, rank=self.state.rank)
         self.close(destroy=False)
-        return {"recoveries": self.recoveries, "generation": self.plan.gen, **info}
+        return {"recoveries": self.recoveries, "generation": self.state.generation, **info}
 
     def report_fatal(self, exc: BaseException) -> None:
         """An error recovery must not handle: the decider stops the job with it (no spare)."""
@@ -316,5 +329,12 @@ class Runtime:
             return
         self._closed = True
         self.member.close()
-        self.att.close(abort=destroy and (lambda: self.world.abort("exit", self.state.rank)))
+        self.holders.wait()  # the old groups die first
+        self.att.close(abort=destroy and self._abort_all)
         self.world.destroy() if destroy else self.world.forget()
+
+    def _abort_all(self) -> None:
+        """At an error exit: the world's communicators and the link's sockets (e.g. a
+        snapshot job waiting for a dead owner's connection)."""
+        self.world.abort("exit", self.state.rank)
+        self.links.abort()

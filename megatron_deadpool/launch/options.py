@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from ..base import faults as fault_schedule
-from ..base.config import DeadpoolConfig, add_deadpool_args
+from ..base.config import DeadpoolConfig, add_deadpool_args, replicas_refusal
 from ..base.errors import ConfigError
 from ..base.state import Role
 from .agent import WorkerSpec
@@ -120,14 +120,9 @@ def validate(opts: LaunchOptions):
         fault_schedule.validate_schedule(faults, total_nodes=opts.nodes + opts.spare_nodes,
                                  world_size=opts.world_size,
                                  train_iters=train_iters if train_iters else 10**9)
-    if cfg.enabled and cfg.replicas == 0 and opts.spare_nodes > 0:
-        raise ConfigError("--deadpool-replicas 0 keeps only each rank's local snapshot (no "
-                          "buddy copy), so no spare could restore a dead rank's state: it "
-                          f"cannot be combined with --spare-nodes {opts.spare_nodes}; use "
-                          "--deadpool-replicas >= 1 for fault tolerance")
-    if cfg.enabled and opts.nodes < cfg.replicas + 1:
-        raise ConfigError(f"--deadpool-replicas {cfg.replicas} needs at least "
-                          f"{cfg.replicas + 1} nodes (got --nodes {opts.nodes})")
+    why = replicas_refusal(cfg.replicas, nodes=opts.nodes, spare_nodes=opts.spare_nodes)
+    if cfg.enabled and why:
+        raise ConfigError(why)
     return cfg, faults
 
 

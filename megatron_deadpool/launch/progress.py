@@ -22,12 +22,14 @@ import sys
 import threading
 from typing import Dict, Optional
 
+from ..base.vocabulary import RECOVERY_PHASES, Phase
 from ..base.worker_env import PROGRESS_PREFIX
 
 # Launcher lines shown on the terminal: the launcher's own, a node agent's, and a worker's
 # one-line error (``error: ...``, the trainer's entry point).
 _SHOWN = ("[launch] ", "[agent ")
-_PHASES = ("abort", "rendezvous", "rebuild_groups", "restore_state", "first_step")
+# a rank's own recovery phases, in order (the decider's ``detect`` is not a rank's)
+_PHASES = tuple(p.value for p in RECOVERY_PHASES if p is not Phase.DETECT)
 
 
 def parse(line: str) -> Optional[dict]:

@@ -7,10 +7,10 @@ import json
 import os
 from typing import Dict, List
 
-from ..membership.plan import Plan
 from ..membership.procs import ProcState
 from ..mirror import persist
 from ..base import counts
+from ..base.plan import Plan
 from ..base.state import Role
 from ..base.vocabulary import PHASE_ORDER
 from .options import LaunchOptions
@@ -138,8 +138,8 @@ def _drain(plan: Plan, rec: dict) -> dict:
     redone (0: every rank stopped at the boundary it agreed on), the phases, and
     ``wall_s``: from the request to the slowest rank's first resumed step."""
     d = plan.drain
-    return {"generation": plan.gen, "node": d["node"], "reason": d["reason"],
-            "text": d.get("text", ""), "to_standby": d.get("to_standby", False),
+    return {"generation": plan.gen, "node": d.node, "reason": d.reason,
+            "text": d.text, "to_standby": d.to_standby,
             "ranks_moved": list(plan.failed_ranks), "spare_of_rank": rec["spare_of_rank"],
             "restored_iter": rec["restored_iter"], "iterations_redone": rec["recomputed_iters"],
             "request_to_plan_s": rec["phases_s"].get("detect"),

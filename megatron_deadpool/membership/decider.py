@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Set
 
 from ..base.config import DeciderConfig
 from ..base.errors import NoSpareError, StopReason
+from ..base.plan import Plan
 from ..base.vocabulary import Event
 from . import plan as plans, store as st
 from .drain import DrainQueue, DrainRequest
@@ -48,7 +49,7 @@ class Decider:
         self.pending_dead: Set[int] = set()
         self.pending_exits: Set[int] = set()  # those seen as process exits
         self.first_dead_t: Optional[float] = None
-        self.plans: List[plans.Plan] = []
+        self.plans: List[Plan] = []
         self.finished = False
         self.failed_reason: Optional[str] = None
         self.startup_error: Optional[str] = None  # "ExcType: message (first raised by rank R)"
@@ -72,7 +73,7 @@ class Decider:
     def gen(self) -> int:
         return self.plans[-1].gen if self.plans else -1
 
-    def publish_initial_plan(self) -> plans.Plan:
+    def publish_initial_plan(self) -> Plan:
         rank_of = {p.lid: p.rank for p in self.procs.values() if p.rank is not None}
         self._publish(plans.initial_plan(rank_of, self._node_of_lid(), self.world_size,
                                          self.clock()))
@@ -81,7 +82,7 @@ class Decider:
     def _node_of_lid(self) -> Dict[int, int]:
         return {p.lid: p.node for p in self.procs.values()}
 
-    def _publish(self, plan: plans.Plan) -> None:
+    def _publish(self, plan: Plan) -> None:
         self.coord.publish_plan(plan)
         self.plans.append(plan)
         self._plan_t = self.clock()
@@ -158,7 +159,7 @@ class Decider:
         plan = self.drains.left(p.lid) if p is not None and ev["code"] == 0 else None
         if plan is not None:
             p.state, p.rank = ProcState.DONE, None  # a drained process left, swap done
-            if plan.drain["to_standby"]:  # its slot stays in the job as a standby spare
+            if plan.drain.to_standby:  # its slot stays in the job as a standby spare
                 self._spawn_spare(p.node, p.lid)
         elif p is not None and p.state not in (ProcState.DEAD, ProcState.DONE):
             p.exit_code = ev["code"]
@@ -289,7 +290,7 @@ class Decider:
                         default=-1)
         self.stop(f"{StopReason.NO_SPARE.value}: {exc}; last committed iteration {committed}")
 
-    def _take_ranks(self, plan: plans.Plan, leaving) -> None:
+    def _take_ranks(self, plan: Plan, leaving) -> None:
         for lid in leaving:
             self.procs[lid].rank = None
         for rank, lid in plan.spare_of_rank.items():

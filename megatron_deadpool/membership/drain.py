@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 from ..base.errors import NoSpareError
+from ..base.plan import Drain, Plan
 from ..base.vocabulary import Event
 from . import plan as plans
 
@@ -43,9 +44,9 @@ class DrainRequest:
     nonce: str = ""                  # `deadpool drain` waits for the answer under it
 
 
-def drain_plan(prev: plans.Plan, req: DrainRequest, pool: Sequence[Tuple[int, Hashable]],
+def drain_plan(prev: Plan, req: DrainRequest, pool: Sequence[Tuple[int, Hashable]],
                node_of_lid: Mapping[int, Hashable], t: float
-               ) -> Tuple[Optional[plans.Plan], str]:
+               ) -> Tuple[Optional[Plan], str]:
     """The plan that moves node ``req.node``'s ranks to idle spares of ``pool`` (none on that
     node), or (None, why not)."""
     leaving = sorted(lid for lid in prev.rank_of if node_of_lid.get(lid) == req.node)
@@ -58,8 +59,8 @@ def drain_plan(prev: plans.Plan, req: DrainRequest, pool: Sequence[Tuple[int, Ha
         nxt = plans.next_plan(prev, leaving, pool, node_of_lid, t=t, t_failure=req.t)
     except NoSpareError as exc:
         return None, f"no spare left for its {len(leaving)} rank(s) ({exc})"
-    drain = {"node": req.node, "reason": req.reason, "to_standby": req.to_standby,
-             "text": req.text, "leaving": leaving}
+    drain = Drain(node=req.node, reason=req.reason, to_standby=req.to_standby,
+                  text=req.text, leaving=tuple(leaving))
     return dataclasses.replace(nxt, drain=drain), ""
 
 
@@ -70,8 +71,8 @@ class DrainQueue:
     def __init__(self, answer: Callable[[str, dict], None] = lambda nonce, body: None):
         self.answer = answer  # to the `deadpool drain` that asked (store.answer_drain)
         self.waiting: List[DrainRequest] = []
-        self.active: Optional[plans.Plan] = None  # published, not yet applied
-        self.leaving: Dict[int, plans.Plan] = {}  # lid -> the drain plan it leaves in
+        self.active: Optional[Plan] = None  # published, not yet applied
+        self.leaving: Dict[int, Plan] = {}  # lid -> the drain plan it leaves in
         self.refused: List[dict] = []
 
     def add_event(self, ev: dict) -> None:
@@ -83,15 +84,15 @@ class DrainQueue:
 
     def add(self, req: DrainRequest) -> None:
         if any(w.node == req.node for w in self.waiting) or (
-                self.active is not None and self.active.drain["node"] == req.node):
+                self.active is not None and self.active.drain.node == req.node):
             if req.nonce:  # the same node twice: one drain
                 self.answer(req.nonce, {"ok": False, "why": f"node {req.node} is being "
                                         "drained already", "t_request": req.t})
             return
         self.waiting.append(req)
 
-    def plan(self, req: DrainRequest, prev: plans.Plan, pool, node_of_lid, t: float,
-             emit: Callable[..., None], log: Callable[[str], None]) -> Optional[plans.Plan]:
+    def plan(self, req: DrainRequest, prev: Plan, pool, node_of_lid, t: float,
+             emit: Callable[..., None], log: Callable[[str], None]) -> Optional[Plan]:
         """The drain's plan, to publish (its leaving processes recorded), or None: refused,
         with an event and a log line; the job goes on untouched."""
         plan, why = drain_plan(prev, req, pool, node_of_lid, t)
@@ -105,7 +106,7 @@ class DrainQueue:
             log(f"drain of node {req.node} refused: {why}; the job goes on untouched")
             return None
         self.active = plan
-        self.leaving.update({lid: plan for lid in plan.drain["leaving"]})
+        self.leaving.update({lid: plan for lid in plan.drain.leaving})
         emit(Event.DRAIN, generation=plan.gen, node=req.node, reason=req.reason,
              ranks=list(plan.failed_ranks))
         log(f"generation {plan.gen}: draining node {req.node} ({req.reason}): ranks "
@@ -116,7 +117,7 @@ class DrainQueue:
     def take(self) -> Optional[DrainRequest]:
         return self.waiting.pop(0) if self.waiting and self.active is None else None
 
-    def settle(self, generation_done: Callable[[plans.Plan], bool]) -> None:
+    def settle(self, generation_done: Callable[[Plan], bool]) -> None:
         """The drain under way is applied once every rank of its generation has restored and
         stepped, the moment its drained processes start to leave. From then on a failure is
         planned from the drain's plan, and the new plan's ranks complete the job, however
@@ -124,33 +125,32 @@ class DrainQueue:
         if self.active is not None and generation_done(self.active):
             self.active = None
 
-    def left(self, lid: int) -> Optional[plans.Plan]:
+    def left(self, lid: int) -> Optional[Plan]:
         """A leaving process exited cleanly (its drain applied, or applies now)."""
         plan = self.leaving.pop(lid, None)
         if plan is not None and self.active is plan:
             self.active = None
         return plan
 
-    def cancel(self, plans_so_far: Sequence[plans.Plan], procs: Mapping[int, object]
-               ) -> plans.Plan:
+    def cancel(self, plans_so_far: Sequence[Plan], procs: Mapping[int, object]) -> Plan:
         """A failure before the drain applied: the drained node's processes are alive (they
         stay until the swap is done) and hold copies the failure's restore may need, so
         the drain is undone and asked again, and the failure is planned from the plan
         before it. Returns that plan."""
         plan, self.active = self.active, None
         before = plans_so_far[-2]
-        for lid in plan.drain["leaving"]:
+        for lid in plan.drain.leaving:
             self.leaving.pop(lid, None)
             procs[lid].rank = before.rank_of[lid]
         for lid in plan.spare_of_rank.values():
             procs[lid].rank = None  # its spares go back to the pool (if they still can)
         d = plan.drain
-        self.waiting.insert(0, DrainRequest(node=d["node"], reason=d["reason"],
-                                            to_standby=d["to_standby"], text=d["text"],
+        self.waiting.insert(0, DrainRequest(node=d.node, reason=d.reason,
+                                            to_standby=d.to_standby, text=d.text,
                                             t=plan.t_failure or plan.t))
         return before
 
-    def finishing(self, procs: Mapping[int, object], plans_so_far: Sequence[plans.Plan]
+    def finishing(self, procs: Mapping[int, object], plans_so_far: Sequence[Plan]
                   ) -> list:
         """The processes whose end completes the job: the ranked ones, or while a drain is
         under way the previous plan's (a job that ends before the boundary never applies

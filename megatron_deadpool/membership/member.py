@@ -24,7 +24,7 @@ from ..base.errors import DeadpoolError, stopped
 from ..base.sections import SectionTracker
 from . import auth
 from . import store as st
-from .plan import Plan
+from ..base.plan import Plan
 from .store import EventKind
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,6 @@ class Member:
         self.store = st.connect(host, port, rendezvous_timeout_s)
         self.coord = st.Coordinator(self.store, secret)
         self.stop_reason: Optional[str] = None
-        self.taken_gen = -1  # the newest plan this process took (heartbeats carry it)
         self._bad_plans: set = set()  # generations whose plan slot did not verify (logged)
         self.sections = SectionTracker()  # the section heartbeats name (Deadpool.section)
         self._stop = threading.Event()
@@ -132,11 +131,7 @@ class Member:
 
     # -------------------------------------------------------------- plans
     def initial_plan(self) -> Plan:
-        return self._took(self.coord.get_plan(0))
-
-    def _took(self, plan: Plan) -> Plan:
-        self.taken_gen = max(self.taken_gen, plan.gen)
-        return plan
+        return self.coord.get_plan(0)
 
     def current_gen(self) -> int:
         return self.coord.current_gen()
@@ -180,7 +175,7 @@ class Member:
             plan = self._verified_plan(g) if g >= min_gen else None
             if plan is not None:
                 if plan.rank(self.lid) is not None or timeout_s is not None:
-                    return self._took(plan)
+                    return plan
                 min_gen = g + 1
             if deadline is not None and time.monotonic() > deadline and \
                     self.coord.is_failing(min_gen - 1):

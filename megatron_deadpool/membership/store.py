@@ -36,8 +36,8 @@ from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..base.errors import TokenError
+from ..base.plan import Plan
 from . import auth
-from .plan import Plan
 from . import records
 from .records import CountedQueue, OwnedSlots, peek
 

@@ -1,6 +1,6 @@
 """When a snapshot counts as committed: every rank has copied, sent and verified it.
 
-Two ways to know it, chosen once per attach (``Protected.attach``):
+Two ways to know it, chosen once per attach (``Attachment.attach``):
 
 * **collective** (the default; always during recovery): the snapshot job ends with the
   transport's ``all_ok``, an AND over the world.

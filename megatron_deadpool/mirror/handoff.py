@@ -11,10 +11,10 @@ measured as fast or faster here (docs/planned-swaps.md).
     stays until g+1 has restored, then exits       restore: rank r holds D itself, so no
                                                    buddy sends it (recovery/restore.py)
 
-It rides on the socket transport: a two-member transport per moved rank (0 the draining
-process, 1 the spare) under its own store prefix. The draining side sends on a thread of
-its own, so that it keeps watching for a newer plan meanwhile (a failure during the drain
-makes it a member again: the sender is aborted). A handoff that fails on either side (a
+It rides on the socket transport, taken from the registry (transport.py): a two-member
+transport per moved rank (0 the draining process, 1 the spare) under its own store prefix.
+The draining side sends on a thread of its own, so that it keeps watching for a newer plan
+meanwhile (a failure during the drain makes it a member again: the sender is aborted). A handoff that fails on either side (a
 timeout, a copy that does not verify) is logged, and the restore takes the buddy's copy as
 with ``buddy``.
 """
@@ -28,7 +28,8 @@ from typing import Optional
 
 from ..base.errors import TransportTimeout
 from . import persist, snapshot
-from .socket_transport import KEY, PeerLost, SocketTransport
+from .socket_transport import KEY, PeerLost
+from .transport import TransportContext, create_transport
 
 log = logging.getLogger(__name__)
 
@@ -47,19 +48,26 @@ def _store(default_store, gen: int, rank: int):
     return dist.PrefixStore(f"handoff/g{gen}/r{rank}/", base)
 
 
+def _transport(store, side: int, store_host: str, secret: str, gen: int, timeout_s: float):
+    """One side (DRAINING or SPARE) of the hand-off's two-member socket transport, from the
+    registry: it only exchanges, so it takes no collectives; its listener is published on
+    the route toward ``store_host``, as the mirror's is."""
+    return create_transport("socket", TransportContext(
+        store, side, 2, None, store_host, secret, gen, timeout_s, purpose="handoff"))
+
+
 class Sender:
     """The draining side: own slot ``iteration`` to the spare that takes ``rank`` in ``gen``,
     on a daemon thread. ``sent_bytes`` once done; ``error`` if it failed."""
 
-    def __init__(self, mirror, default_store, host: str, secret: str, gen: int, rank: int,
-                 iteration: int, timeout_s: float):
+    def __init__(self, mirror, default_store, store_host: str, secret: str, gen: int,
+                 rank: int, iteration: int, timeout_s: float):
         self.sent_bytes: Optional[int] = None
         self.error: Optional[str] = None
-        self._data = snapshot.sealed(mirror.own[iteration % 2])
+        self._data = mirror.own.sealed(iteration)
         self._store, self._timeout_s, self._aborted = _store(default_store, gen, rank), \
             timeout_s, False
-        self._t = SocketTransport(self._store, DRAINING, 2, None, host, secret, gen,
-                                  timeout_s=timeout_s, purpose="handoff")
+        self._t = _transport(self._store, DRAINING, store_host, secret, gen, timeout_s)
         self._thread = threading.Thread(target=self._run, name="deadpool-handoff",
                                         daemon=True)
         self._thread.start()
@@ -99,14 +107,13 @@ class Sender:
         return not self._thread.is_alive()
 
 
-def receive(mirror, default_store, host: str, secret: str, gen: int, rank: int,
+def receive(mirror, default_store, store_host: str, secret: str, gen: int, rank: int,
             timeout_s: float) -> Optional[int]:
     """The spare's side: the draining rank's slot, adopted as this rank's own. Returns its
     iteration, or None (logged): the restore then takes the buddy's copy."""
     layout = mirror.ensure_layout()
     buf = snapshot.alloc_slot(layout.total_bytes, mirror.pin)
-    t = SocketTransport(_store(default_store, gen, rank), SPARE, 2, None, host, secret, gen,
-                        timeout_s=timeout_s, purpose="handoff")
+    t = _transport(_store(default_store, gen, rank), SPARE, store_host, secret, gen, timeout_s)
     try:
         t.exchange([], [(DRAINING, buf)])
         iteration = snapshot.read_header(buf)["iteration"]

@@ -1,11 +1,13 @@
-"""The copies this rank holds for other ranks (their buddy): two slots per owner (slot parity
-is ``iteration % 2``, as for the own slots), the iteration each one holds (-1: none or being
-rewritten), and which have passed their checksum. Owned by ``Mirror`` (mirror.py)."""
+"""The sealed slots a rank holds, two per owner (slot parity is ``iteration % 2``): its own
+double buffer (``OwnSlots``), and the copies it holds for other ranks as their buddy
+(``HeldCopies``): the iteration each slot holds (-1: none or being rewritten) and, for held
+copies, which have passed their checksum. Owned by ``Mirror`` (mirror.py); nobody else
+indexes a slot or writes what it holds."""
 
 from __future__ import annotations
 
 import logging
-from typing import Dict, Iterable, List, Mapping, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Mapping, Set, Tuple
 
 import torch
 
@@ -13,6 +15,63 @@ from ..base.errors import MirrorCorruptError
 from . import snapshot
 
 log = logging.getLogger(__name__)
+
+
+class OwnSlots:
+    """This rank's own double buffer: the snapshot of ``iteration`` is written into slot
+    ``iteration % 2``, so the copy of ``iteration - 1`` stays intact while it is in flight.
+    Pinned when CUDA is present: these slots alone receive D2H copies."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self._slots: List[torch.Tensor] = []
+        self._iters = [-1, -1]  # the iteration each slot holds; -1: none or being rewritten
+
+    def allocate(self, nbytes: int, pin: bool) -> None:
+        """Two empty slots of a (new) layout's size."""
+        self._slots = [snapshot.alloc_slot(nbytes, pin) for _ in range(2)]
+        self._iters = [-1, -1]
+
+    def rewrite(self, iteration: int) -> None:
+        """A snapshot of ``iteration`` is about to overwrite its slot: it holds nothing until
+        ``hold(iteration)``."""
+        self._iters[iteration % 2] = -1
+
+    def slot(self, iteration: int) -> torch.Tensor:
+        """The whole slot of ``iteration``'s parity, whatever it holds now."""
+        return self._slots[iteration % 2]
+
+    def sealed(self, iteration: int) -> torch.Tensor:
+        """The used part of ``iteration``'s slot (``snapshot.sealed``): what travels."""
+        return snapshot.sealed(self._slots[iteration % 2])
+
+    def hold(self, iteration: int) -> None:
+        """``iteration``'s slot now holds it (sealed here, or received from a holder)."""
+        self._iters[iteration % 2] = iteration
+
+    def adopt(self, iteration: int, data: torch.Tensor, job: int) -> None:
+        """A verified slot of this rank (from a file, or from a hand-off) becomes its own
+        copy of ``iteration``, stamped with ``job`` (this job's id)."""
+        slot = self._slots[iteration % 2]
+        slot.copy_(data)
+        snapshot.restamp_job(slot, job)
+        self._iters[iteration % 2] = iteration
+
+    def iterations(self) -> List[int]:
+        """The iterations held, oldest first."""
+        return sorted(i for i in self._iters if i >= 0)
+
+    def copies(self) -> List[Tuple[int, int, torch.Tensor]]:
+        """``(rank, iteration, slot)`` of every slot that holds an iteration, in slot order
+        (as ``HeldCopies.copies``)."""
+        return [(self.rank, it, self._slots[it % 2]) for it in self._iters if it >= 0]
+
+    def keep_only(self, iteration: int) -> None:
+        """Every slot but the one holding ``iteration`` holds nothing (after a restore)."""
+        self._iters = [i if i == iteration else -1 for i in self._iters]
+
+    def buffers(self) -> List[torch.Tensor]:
+        return list(self._slots)
 
 
 class HeldCopies:

@@ -1,5 +1,5 @@
 """The mirror's observer: every measurement of what protection costs, in one place, beside
-the logic instead of inside it. The protection path (control/protected.py, the mirror
+the logic instead of inside it. The protection path (control/attachment.py, the mirror
 thread) calls the hooks of the meter it was given; ``NO_METER`` makes them no-ops. A launched
 job attaches a ``Meter`` (progress line, rank results, the bench, the straggler check read
 it); no other module reads a thread clock.

@@ -22,10 +22,10 @@ import torch
 from ..base.errors import MirrorCorruptError, MirrorError
 from . import d2h, flat, placement, snapshot
 from .commit import CommitTracker
-from .held import HeldCopies
+from .held import HeldCopies, OwnSlots
 from .jobs import JobThread, SnapshotJob
 from .meter import NO_CLOCK, NO_METER, NullMeter, PhaseClock
-from .transport import MirrorTransport
+from .transport_api import MirrorTransport
 
 TensorsFn = Callable[[], Sequence[Tuple[str, torch.Tensor]]]
 
@@ -52,8 +52,7 @@ class Mirror:
         self.rejected_copies = 0  # copies this rank received that failed their check
         self.discard_from: Optional[int] = None  # the 'drop' test fault: see drop_arrivals
         self.layout: Optional[snapshot.Layout] = None
-        self.own: List[torch.Tensor] = []
-        self.own_iter = [-1, -1]
+        self.own = OwnSlots(rank)  # this rank's double buffer (held.py)
         self.held = HeldCopies(job)  # the copies of the owners this rank is a buddy of
         self._sizes: Optional[Dict[int, int]] = None  # held owners' slot sizes (a generation)
         self.fault_hook: Optional[Callable[[int], None]] = None  # after the seal (faults)
@@ -106,8 +105,7 @@ class Mirror:
             if self.layout is not None:  # e.g. an optimizer whose state differs from placeholders
                 self._sizes = None
             self.layout = layout
-            self.own = [snapshot.alloc_slot(self.layout.total_bytes, self.pin) for _ in range(2)]
-            self.own_iter = [-1, -1]
+            self.own.allocate(self.layout.total_bytes, self.pin)
         return self.layout
 
     def refresh_sources(self) -> None:
@@ -133,7 +131,7 @@ class Mirror:
 
     def memory(self) -> dict:
         """Host bytes of every slot (own and held), and how many of them are pinned."""
-        slots = list(self.own) + self.held.buffers()
+        slots = self.own.buffers() + self.held.buffers()
         return {"host_bytes": sum(b.numel() for b in slots),
                 "pinned_bytes": sum(b.numel() for b in slots if b.is_pinned())}
 
@@ -143,7 +141,7 @@ class Mirror:
         self.ensure_layout()
         if self._runs is None:
             self._runs = d2h.plan(self.layout, self._tensors)
-        self.own_iter[iteration % 2] = -1  # this slot is being rewritten
+        self.own.rewrite(iteration)  # its slot holds nothing until the job seals it
         if self._step_done is not None:
             # Reused: the job of the previous record is done (wait() before every step).
             self._step_done.record()
@@ -193,13 +191,12 @@ class Mirror:
                 self._drop_superseded()
                 if self.on_committed is not None:
                     self.on_committed(done)
-        idx = iteration % 2
-        slot = self.own[idx]
+        slot = self.own.slot(iteration)
         self.copier.copy(slot, self._runs, job.step_done)
         clock.lap("copy")
         snapshot.seal(slot, self.layout, self.rank, iteration, job.meta, self.job)
         clock.lap("seal")
-        self.own_iter[idx] = iteration
+        self.own.hold(iteration)
         if self.fault_hook is not None:
             self.fault_hook(iteration)
         self._exchange_and_commit(iteration, clock=clock)
@@ -220,11 +217,10 @@ class Mirror:
         if self.replicas == 0:
             self.commits.reset(iteration)
             return
-        idx = iteration % 2
         self._alloc_recv()
         owners = [o for o in self.holds if (o, self.rank) not in skip]
         recvs = [(o, self.held.receiving(o, iteration)) for o in owners]
-        mine = snapshot.sealed(self.own[idx])
+        mine = self.own.sealed(iteration)
         self.transport.exchange([(b, mine) for b in self.buddies if (self.rank, b) not in skip],
                                 recvs)
         clock = clock or NO_CLOCK  # recovery's exchanges are not snapshot jobs
@@ -262,17 +258,13 @@ class Mirror:
         self.held.drop_owners_not_in(self.holds)
 
     # ------------------------------------------------------------------ recovery side
-    def holds_copy(self, owner: int, iteration: int) -> bool:
-        return self.held.holds(owner, iteration)
-
     def held_slots(self) -> List[Tuple[int, int, torch.Tensor]]:
         """``(owner, iteration, slot)`` of every slot this rank holds, its own first."""
-        own = [(self.rank, it, self.own[it % 2]) for it in self.own_iter if it >= 0]
-        return own + self.held.copies()
+        return self.own.copies() + self.held.copies()
 
     def restore_local(self, iteration: int) -> dict:
         """Verify the local copy of ``iteration`` and load it into the live tensors."""
-        slot = self.own[iteration % 2]
+        slot = self.own.slot(iteration)
         self.refresh_sources()
         layout = self.ensure_layout()
         meta = snapshot.verify(slot, self.rank, iteration, layout, self.job)
@@ -283,7 +275,7 @@ class Mirror:
     def inventory(self) -> dict:
         """What this rank holds, for the restore decision (recovery/restore.py): only
         copies whose checksum holds."""
-        return {"own": sorted(i for i in self.own_iter if i >= 0), "committed": self.committed,
+        return {"own": self.own.iterations(), "committed": self.committed,
                 "copies": self.held.inventory()}
 
     def transfer_for_restore(self, iteration: int, serve: Sequence[int],
@@ -295,21 +287,18 @@ class Mirror:
         recvs = []
         if receive_from is not None:
             self.ensure_layout()
-            recvs = [(receive_from, self.own[iteration % 2])]
+            recvs = [(receive_from, self.own.slot(iteration))]
         self.transport.exchange(sends, recvs)
         if receive_from is not None:
-            self.own_iter[iteration % 2] = iteration
-
-    def after_restore(self, iteration: int) -> None:
-        """Everything newer than the restored iteration is dropped; the restored iteration's
-        copies stay valid (a failure during re-protection can restore it again)."""
-        self.own_iter = [i if i == iteration else -1 for i in self.own_iter]
-        self.held.drop_newer_than(iteration)
-        self.commits.reset(iteration)
+            self.own.hold(iteration)  # verified by restore_local
 
     def reprotect(self, iteration: int, skip=frozenset()) -> None:
-        """Send the restored snapshot to the (possibly new) buddies that do not hold it yet,
-        and commit it."""
+        """Once ``iteration`` is restored: everything newer is dropped (its copies stay valid:
+        a failure during re-protection can restore it again); send it to the (possibly new)
+        buddies that do not hold it yet, and commit it."""
+        self.own.keep_only(iteration)
+        self.held.drop_newer_than(iteration)
+        self.commits.reset(iteration)
         self._exchange_and_commit(iteration, skip, collective=True)
         if self.committed != iteration:
             raise MirrorError(f"re-protection of iteration {iteration} did not commit")

@@ -259,7 +259,7 @@ def periodic(mirror, root: str, every: int, manifest: Manifest, iteration: int) 
     saves are kept."""
     if every <= 0 or iteration % every:
         return
-    write_slot(root, mirror.own[iteration % 2], iteration, mirror.rank, manifest)
+    write_slot(root, mirror.own.slot(iteration), iteration, mirror.rank, manifest)
     prune_own(root, mirror.rank, manifest, keep_from=iteration - every)
 
 
@@ -270,12 +270,9 @@ def adopt(mirror, data: torch.Tensor, iteration: int, job: int) -> None:
     from . import snapshot
 
     layout = mirror.ensure_layout()
-    slot = mirror.own[iteration % 2]
-    if data.numel() != slot.numel():
+    if data.numel() != layout.total_bytes:
         raise ConfigError(f"saved state of rank {mirror.rank} iteration {iteration} has "
-                          f"{data.numel()} bytes; this model's snapshot has {slot.numel()} "
-                          f"(a different model, layout or optimizer)")
+                          f"{data.numel()} bytes; this model's snapshot has "
+                          f"{layout.total_bytes} (a different model, layout or optimizer)")
     snapshot.verify(data, mirror.rank, iteration, layout, job=job)
-    slot.copy_(data)
-    snapshot.restamp_job(slot, mirror.job)
-    mirror.own_iter[iteration % 2] = iteration
+    mirror.own.adopt(iteration, data, mirror.job)

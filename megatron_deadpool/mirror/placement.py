@@ -29,6 +29,7 @@ from __future__ import annotations
 from math import gcd
 from typing import Dict, Hashable, List, Sequence
 
+from ..base.config import replicas_refusal
 from ..base.errors import ConfigError
 
 # Shifts tried per rank before falling back to the node ring: bounds the cost on degenerate
@@ -40,11 +41,10 @@ def buddies(rank_to_node: Sequence[Hashable], replicas: int) -> List[List[int]]:
     """Return, for every global rank, the ``replicas`` buddy ranks that hold its copy.
 
     ``rank_to_node[r]`` is the id of the node currently hosting rank ``r`` (any hashable).
-    Raises :class:`ConfigError` when ``replicas < 1`` or the layout has fewer than
-    ``replicas + 1`` nodes. Deterministic: every process computes the same answer.
+    Raises :class:`ConfigError` when ``replicas`` breaks the rule of K
+    (``base/config.py: replicas_refusal``; here at least 1) for the layout's nodes.
+    Deterministic: every process computes the same answer.
     """
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ConfigError(f"replicas must be an integer >= 1, got {replicas!r}")
     world = len(rank_to_node)
     members: Dict[Hashable, List[int]] = {}  # insertion order = nodes by smallest rank
     pos: List[int] = []  # position of each rank among its node's ranks
@@ -52,10 +52,9 @@ def buddies(rank_to_node: Sequence[Hashable], replicas: int) -> List[List[int]]:
         ranks = members.setdefault(node, [])
         pos.append(len(ranks))
         ranks.append(r)
-    if len(members) < replicas + 1:
-        raise ConfigError(f"{replicas} replica(s) need at least {replicas + 1} nodes (each "
-                          f"copy on another node), the layout has {len(members)} node(s) "
-                          f"for {world} rank(s)")
+    why = replicas_refusal(replicas, "replicas", least=1, nodes=len(members))
+    if why:
+        raise ConfigError(why)
     ring = list(members)
     index = {node: i for i, node in enumerate(ring)}
     stride = max(len(v) for v in members.values())

@@ -42,11 +42,11 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..base import counts
-from ..base.errors import DeadpoolError, TransportTimeout
+from ..base.errors import TransportTimeout
 from ..membership import auth
 from . import handshake
 from .frames import LENGTH, PeerLost, Recv, Send  # noqa: F401 - LENGTH: impostor.py's
-from .transport import MirrorTransport, TransportContext, count_messages, register_transport
+from .transport_api import MirrorTransport, count_messages
 
 log = logging.getLogger(__name__)
 
@@ -84,14 +84,6 @@ def local_address(toward: str, route=_route_source, environ=os.environ) -> str:
     if addr is None or (_is_loopback(addr) and not _is_loopback(toward)):
         addr = route("10.255.255.255") or addr  # any non-local address: the default route
     return addr or "127.0.0.1"
-
-
-@register_transport("socket")
-def _create(ctx: TransportContext) -> "SocketTransport":
-    if ctx.secret is None or ctx.collectives is None:
-        raise DeadpoolError("the socket mirror transport needs the job secret and collectives")
-    return SocketTransport(ctx.store, ctx.rank, ctx.world_size, ctx.collectives, local_address(
-        ctx.store_host), ctx.secret, ctx.gen, timeout_s=ctx.timeout_s)
 
 
 class SocketTransport(MirrorTransport):

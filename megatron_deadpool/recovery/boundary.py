@@ -22,8 +22,8 @@ import threading
 import time
 from typing import Optional
 
-from ..base.state import WorkerState
-from ..membership.plan import Plan
+from ..base.state import RankState, WorkerState
+from ..base.plan import Plan
 from ..membership.store import EventKind, GenerationMoved
 
 POLL_S = 0.005
@@ -42,7 +42,7 @@ class Action(str, enum.Enum):
 class Boundary:
     def __init__(self, member, lid: int):
         self.member, self.lid = member, lid
-        self.plan: Optional[Plan] = None  # the drain's plan, once seen
+        self.drain_plan: Optional[Plan] = None  # the drain's plan (the next generation), once seen
         self.agreed: Optional[int] = None
         self._posted: Optional[int] = None
         self._peeked = -1  # the newest generation whose plan was read (not a drain's)
@@ -50,15 +50,16 @@ class Boundary:
 
     @property
     def generation(self) -> Optional[int]:
-        return self.plan.gen if self.plan is not None else None
+        return self.drain_plan.gen if self.drain_plan is not None else None
 
-    def planned(self, gen: int, live: Optional[Plan], state) -> bool:
-        """The watcher: generation ``gen`` is a drain's plan following the live one, seen
-        while training (no abort: the main thread stops at the agreed boundary)."""
-        if self.plan is not None:
-            return self.plan.gen == gen
-        if live is None or gen != live.gen + 1 or state.mode is not WorkerState.ACTIVE \
-                or gen == self._peeked:
+    def planned(self, gen: int, state: RankState) -> bool:
+        """The watcher: generation ``gen`` is a drain's plan following the live one (the
+        rank's ``state.plan``), seen while training (no abort: the main thread stops at the
+        agreed boundary)."""
+        if self.drain_plan is not None:
+            return self.drain_plan.gen == gen
+        if state.plan is None or gen != state.generation + 1 \
+                or state.mode is not WorkerState.ACTIVE or gen == self._peeked:
             return False
         self._peeked = gen
         plan = self.member.peek_plan(gen)
@@ -70,30 +71,30 @@ class Boundary:
     def notice(self, plan: Plan, rank: int, completed: int) -> None:
         """The watcher saw the drain's plan: post ``completed + 1`` unless posted."""
         with self._lock:
-            self.plan = self.plan or plan
+            self.drain_plan = self.drain_plan or plan
             self._post(rank, completed + 1)
 
     def check(self, rank: int, world_size: int, completed: int) -> Optional[Action]:
         """At the boundary after ``completed`` iterations (main thread): None to train on,
         else what this rank does now."""
-        if self.plan is None:
+        if self.drain_plan is None:
             return None
         while self.agreed is None:
-            got = self.member.boundaries(self.plan.gen, world_size)
+            got = self.member.boundaries(self.drain_plan.gen, world_size)
             if got is not None:
                 self.agreed = max(got)
-            elif self.member.current_gen() > self.plan.gen:
+            elif self.member.current_gen() > self.drain_plan.gen:
                 return None  # a failure during the drain: its recovery takes over
             else:
                 time.sleep(POLL_S)
         if completed < self.agreed:
             return None
-        return Action.LEAVE if self.plan.rank(self.lid) is None else Action.SWAP
+        return Action.LEAVE if self.drain_plan.rank(self.lid) is None else Action.SWAP
 
     def _post(self, rank: int, iteration: int) -> None:
         if self._posted is None:
             self._posted = iteration
-            self.member.post_boundary(self.plan.gen, rank, iteration)
+            self.member.post_boundary(self.drain_plan.gen, rank, iteration)
 
     def leave_after(self, timeout_s: float, plan: Optional[Plan] = None,
                     moved: type = GenerationMoved) -> None:
@@ -102,7 +103,7 @@ class Boundary:
         and re-protected (its copies may be needed until then), then leaves: SystemExit(0).
         A newer plan first (a failure undid the drain, membership/drain.py): ``moved`` is
         raised, and the recovery path takes the newer plan, which may name it again."""
-        plan = plan or self.plan
+        plan = plan or self.drain_plan
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not self.member.reports_done(plan.gen,
                                                                           plan.world_size):
@@ -116,9 +117,9 @@ class Boundary:
         """This process left in a drain published after ``live`` up to ``plan`` (a failure
         during the drain moved past it): not a failed member, so it leaves cleanly."""
         first = live.gen + 1 if live is not None else plan.gen
-        return any(self.lid in (self.member.peek_plan(g).drain or {}).get("leaving", ())
-                   for g in range(first, plan.gen + 1))
+        drains = (self.member.peek_plan(g).drain for g in range(first, plan.gen + 1))
+        return any(d is not None and self.lid in d.leaving for d in drains)
 
     def done(self) -> None:
         """The swap went through (or a failure's recovery replaced it)."""
-        self.plan, self.agreed, self._posted = None, None, None
+        self.drain_plan, self.agreed, self._posted = None, None, None

@@ -1,8 +1,9 @@
 """The worker's fault points, wired to what each fault kind acts on: the signal kinds
 signal this process (``base/faults.py``); the other kinds are actions on what this rank
-protects (``attachment``: ``control/protected.py``), bound here by kind name: ``drop``
-makes this rank's holder refuse the copies that arrive, ``impostor`` starts a thread that
-attacks the mirror listeners (``mirror/impostor.py``), ``drain`` asks the decider to drain
+protects (``attachment``: control/attachment.py) and on the current generation's link
+(``links``: control/link.py), bound here by kind name: ``drop`` makes this rank's holder
+refuse the copies that arrive, ``impostor`` starts a thread that attacks the mirror
+listeners of the current link's transport (``mirror/impostor.py``), ``drain`` asks the decider to drain
 this process's node (membership/drain.py), ``slow`` returns a lasting effect that makes
 every later step burn (factor - 1) x the rank's compute per step (a straggler that still
 progresses). Every delivery is reported to the decider first (a ``fault_request`` event: it
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-from ..base.faults import FaultPoints
+from ..base.faults import FaultPoints, Kind
 from ..membership.store import EventKind
 from ..mirror import impostor
 from ..mirror.meter import cpu_clock
@@ -21,7 +22,8 @@ from ..mirror.meter import cpu_clock
 log = logging.getLogger(__name__)
 
 
-def worker_fault_points(env, member, rank: Callable[[], int], attachment) -> FaultPoints:
+def worker_fault_points(env, member, rank: Callable[[], int], attachment, links
+                        ) -> FaultPoints:
     def report(fault, iteration: int, phase: str) -> None:
         member.push_event(EventKind.FAULT_REQUEST, index=fault.index, rank=rank(),
                           node=env.node, iteration=iteration, phase=phase)
@@ -34,10 +36,10 @@ def worker_fault_points(env, member, rank: Callable[[], int], attachment) -> Fau
     def slow(fault, iteration: int) -> Callable[[], None]:
         return straggle(fault.factor, attachment.status()["compute_s"])
 
-    actions = {"drop": lambda fault, it: attachment.drop_arrivals(it),
-               "impostor": lambda fault, it: attachment.start_impostor(impostor.start),
-               "drain": drain,
-               "slow": slow}
+    actions = {Kind.DROP: lambda fault, it: attachment.mirror.drop_arrivals(it),
+               Kind.IMPOSTOR: lambda fault, it: impostor.start(links.current.transport),
+               Kind.DRAIN: drain,
+               Kind.SLOW: slow}
     return FaultPoints(env.faults, rank=rank, node=env.node, claim=member.claim_fault,
                        report=report, actions=actions)
 

@@ -13,7 +13,7 @@ import logging
 from typing import Callable
 
 from ..base.errors import DeadpoolError, StaleGenerationError
-from ..membership.plan import Plan
+from ..base.plan import Plan
 from ..membership.store import GenerationMoved
 from .classify import is_peer_failure
 

@@ -47,23 +47,25 @@ class EventSink:
 
 
 class PhaseTimer:
-    """Times consecutive phases of one recovery: ``timer.start(Phase.ABORT)`` closes the phase
-    before it. Each closed phase is emitted as an event."""
+    """Times consecutive phases of one recovery: ``timer.start(Phase.ABORT, **label)`` closes
+    the phase before it. Each closed phase is emitted as an event, with the label (the
+    generation and rank) it was started with."""
 
-    def __init__(self, sink: EventSink, generation: int, rank: int):
-        self.sink, self.generation, self.rank = sink, generation, rank
+    def __init__(self, sink: EventSink):
+        self.sink = sink
         self.durations: Dict[str, float] = {}
         self.counts: Dict[str, Dict[str, int]] = {}  # per phase: base/counts.py's kinds
         self._cur: Optional[Phase] = None
+        self._label: Dict[str, Any] = {}
         self._t0 = 0.0
         self._c0: Dict[str, int] = {}
 
-    def start(self, phase: Phase, generation: Optional[int] = None) -> None:
+    def start(self, phase: Phase, **label) -> None:
         if self._cur is phase:
-            return  # already running (a spare's restore starts before its attach)
+            return  # already running (a spare's next step times its caller's work)
         self.stop()
-        self.generation = self.generation if generation is None else generation
-        self._cur, self._t0, self._c0 = phase, time.perf_counter(), counts.snapshot()
+        self._cur, self._label = phase, label
+        self._t0, self._c0 = time.perf_counter(), counts.snapshot()
 
     def stop(self) -> None:
         if self._cur is None:
@@ -73,22 +75,26 @@ class PhaseTimer:
         counts.merge(self.counts.setdefault(self._cur.value, {}),
                      counts.delta(self._c0, counts.snapshot()))
         self.sink.emit(Event.PHASE, phase=self._cur.value, duration_s=round(dt, 6),
-                       generation=self.generation, rank=self.rank)
+                       **self._label)
         self._cur = None
 
 
 @dataclass
 class Attempt:
-    """What one recovery attempt carries from step to step."""
+    """What one recovery attempt carries from step to step (control/steps.py)."""
 
     cause: BaseException
-    iteration_at_failure: Optional[int]   # None: a promoted spare's own restore
+    iteration_at_failure: Optional[int]   # None: a promoted spare's (its startup, or after)
+    generation: int                       # the generation it recovers into, as first known
+    rank: int
     timer: PhaseTimer
     role: Role = Role.ACTIVE              # the rank's role: PROMOTED, a spare's own restore
-    plan: Any = None                      # membership.plan.Plan, once taken
+    startup: bool = False                 # a promoted spare's own walk: promoted with its
+    group_kwargs: Optional[dict] = None   # plan; its first build takes Megatron's arguments
     old_groups: list = field(default_factory=list)
     restored: int = -1
     state_from: Optional[str] = None      # a spare's: "direct" (the draining rank) or "buddy"
+    done: int = 0                         # steps of its sequence done (a spare's walk pauses)
 
     @property
     def spare(self) -> bool:
@@ -97,4 +103,7 @@ class Attempt:
 
     def phase(self, phase: Optional[Phase]) -> None:
         """Begin timing ``phase`` (None: stop); the phase before it closes."""
-        self.timer.start(phase) if phase is not None else self.timer.stop()
+        if phase is None:
+            self.timer.stop()
+        else:
+            self.timer.start(phase, generation=self.generation, rank=self.rank)

@@ -23,6 +23,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from ..base.config import Audit
 from ..base.errors import RebindAuditError
 
 # how long the full audit gives a thread finishing an old-generation call (an abandoned
@@ -300,15 +301,15 @@ def _running_frames_holding(g) -> List[str]:
     return out
 
 
-def audit_rebind(mode: str, slots: "GroupSlots", old_groups: Sequence["weakref.ref"],
+def audit_rebind(mode: Audit, slots: "GroupSlots", old_groups: Sequence["weakref.ref"],
                  settle=lambda: None) -> Optional[dict]:
     """After a rebuild (``--deadpool-audit``): 'walk' re-walks the slots, 'full' also scans
     the heap for a survivor of ``old_groups`` once ``settle()`` has let the released ones
     die. Raises RebindAuditError on a leak; returns the audit event's fields for 'full'."""
-    if mode == "none":
+    if mode is Audit.NONE:
         return None
     slots.audit()
-    if mode != "full":
+    if mode is not Audit.FULL:
         return None
     settle()
     leaks = heap_audit(old_groups, AUDIT_GRACE_S)

@@ -196,6 +196,5 @@ def _load_and_reprotect(mirror, optimizer, model, chosen: int, skip) -> dict:
     if meta.get("optimizer_state_empty"):
         shard.reset_optimizer_state(optimizer)  # the initial commit: before step 1
     shard.copy_main_params_to_model(optimizer, model)
-    mirror.after_restore(chosen)
-    mirror.reprotect(chosen, skip=skip)
+    mirror.reprotect(chosen, skip=skip)  # drops what is newer first
     return meta

@@ -83,7 +83,7 @@ class World:
         self.aborted = False
         self._live_gen: Optional[int] = None
         self._lock = threading.Lock()
-        # what else an abort must wake: the mirror's own connections (protected.py)
+        # what else an abort must wake: the mirror's own connections (control/link.py)
         self.on_abort: Callable[[], None] = _nothing
         counting.install()  # every group creation, counted (base/counts.py)
         if backend == "gloo":
@@ -91,7 +91,7 @@ class World:
 
     def also_on_abort(self, wake: Callable[[], None]) -> None:
         """What else a generation's abort must wake (any thread): e.g. the mirror's own
-        connections, which are not the communicators' (protected.py)."""
+        connections, which are not the communicators' (control/link.py)."""
         self.on_abort = wake
 
     def init_process_group(self, store, gen: int, rank: int, world_size: int) -> None:

@@ -1,0 +1,83 @@
+"""The membership plan of one generation, as a value: who holds which rank on which node,
+what changed since the last plan, and the drain it carries when it is a planned swap.
+
+    gen 1:  rank_of {0:0 1:1 3:3 4:2}   node_of_rank [0 0 2 1]   failed_ranks (2,)
+            spare_of_rank {2: 4}        prev_node_of_rank [0 0 1 1]   drain None
+
+A plan is written by the decider only (signed, ``store.Coordinator.publish_plan``) and read
+by every worker and by the launcher's summary; the rule that makes the next one is in
+``membership/plan.py``. Rank ids are stable: a spare takes the dead rank's id, so buddies
+and restore sources are rank arithmetic. ``to_json`` is what is signed: its keys and values
+are part of the store's format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Mapping, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class Drain:
+    """A planned swap (``membership/drain.py``): node ``node``'s processes ``leaving`` are
+    alive and leave at the boundary the ranks agree on."""
+    node: int
+    reason: str = "request"          # request, slurm or straggler (drain.REASONS)
+    to_standby: bool = False         # the leaving processes are replaced by standby spares
+    text: str = ""                   # the operator's --reason
+    leaving: Tuple[int, ...] = ()    # the drained node's process ids (lids)
+
+    def to_json(self) -> dict:
+        return {"node": self.node, "reason": self.reason, "to_standby": self.to_standby,
+                "text": self.text, "leaving": list(self.leaving)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Drain":
+        return cls(node=d["node"], reason=d.get("reason", "request"),
+                   to_standby=d.get("to_standby", False), text=d.get("text", ""),
+                   leaving=tuple(d.get("leaving", ())))
+
+
+@dataclass(frozen=True)
+class Plan:
+    gen: int
+    world_size: int
+    rank_of: Mapping[int, int]           # process id (lid) -> global rank
+    node_of_rank: Tuple[Hashable, ...]
+    prev_node_of_rank: Tuple[Hashable, ...] = ()
+    failed_ranks: Tuple[int, ...] = ()
+    spare_of_rank: Mapping[int, int] = field(default_factory=dict)  # rank -> lid that took it
+    t: float = 0.0                       # when it was published (wall clock)
+    t_failure: Optional[float] = None    # when the failure it answers happened
+    # a planned swap: its failed_ranks are the drained node's, whose processes are alive
+    drain: Optional[Drain] = None
+
+    def rank(self, lid: int) -> Optional[int]:
+        """``lid``'s rank in this generation; None when it is not a member."""
+        return self.rank_of.get(lid)
+
+    @property
+    def detect_s(self) -> float:
+        return 0.0 if self.t_failure is None else self.t - self.t_failure
+
+    def to_json(self) -> dict:
+        return {"gen": self.gen, "world_size": self.world_size,
+                "rank_of": {str(k): v for k, v in self.rank_of.items()},
+                "node_of_rank": list(self.node_of_rank),
+                "prev_node_of_rank": list(self.prev_node_of_rank),
+                "failed_ranks": list(self.failed_ranks),
+                "spare_of_rank": {str(k): v for k, v in self.spare_of_rank.items()},
+                "t": self.t, "t_failure": self.t_failure,
+                "drain": None if self.drain is None else self.drain.to_json()}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Plan":
+        drain = d.get("drain")
+        return cls(gen=int(d["gen"]), world_size=int(d["world_size"]),
+                   rank_of={int(k): int(v) for k, v in d["rank_of"].items()},
+                   node_of_rank=tuple(d["node_of_rank"]),
+                   prev_node_of_rank=tuple(d.get("prev_node_of_rank", ())),
+                   failed_ranks=tuple(d.get("failed_ranks", ())),
+                   spare_of_rank={int(k): int(v) for k, v in d.get("spare_of_rank", {}).items()},
+                   t=float(d.get("t", 0.0)), t_failure=d.get("t_failure"),
+                   drain=None if drain is None else Drain.from_json(drain))
