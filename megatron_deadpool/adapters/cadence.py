@@ -1,10 +1,10 @@
 """Megatron-LM's checkpoint cadence across a hot swap.
 
 ``train()`` saves at the end of a loop body (``iteration % save_interval == 0``), after
-``lm.after_step`` began that iteration's snapshot and after its evaluation. A restore to
-iteration r therefore lands *before* the save at r. Without a redo, a save that the
-failure interrupted (or abandoned: ``async_saves.py``) is never written, and the run's
-next checkpoint comes one interval late.
+the session's ``after_step`` (megatron/lm.py) began that iteration's snapshot and after its
+evaluation. A restore to iteration r therefore lands *before* the save at r. Without a redo,
+a save that the failure interrupted (or abandoned: ``async_saves.py``) is never written, and
+the run's next checkpoint comes one interval late.
 
 :class:`Saves` redoes it, like ``evaluation.Evaluations``: after a restore to r (a
 survivor's ``recover``, a promoted spare's ``attach``) it is armed when the failure-free

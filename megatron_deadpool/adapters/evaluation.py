@@ -1,11 +1,11 @@
 """Megatron-LM's in-loop evaluation across a hot swap.
 
 ``train()`` evaluates at the end of a loop body (``iteration % eval_interval == 0``), after
-``lm.after_step`` began that iteration's snapshot. A restore to iteration r therefore lands
-*before* the evaluation at r: without a redo, the job would go on with the validation
-samples of that evaluation unread (``consumed_valid_samples`` one evaluation behind), and
-every later evaluation would read other batches than a failure-free run's. The same holds
-when the failure strikes during the evaluation itself.
+the session's ``after_step`` (megatron/lm.py) began that iteration's snapshot. A restore to
+iteration r therefore lands *before* the evaluation at r: without a redo, the job would go
+on with the validation samples of that evaluation unread (``consumed_valid_samples`` one
+evaluation behind), and every later evaluation would read other batches than a failure-free
+run's. The same holds when the failure strikes during the evaluation itself.
 
 :class:`Evaluations` redoes it: after a restore to r (a survivor's ``recover``, a promoted
 spare's ``attach``) it is armed when r's evaluation was due, and every rank runs it at its

@@ -1,13 +1,12 @@
 """Megatron-LM's data iterators across a recovery.
 
-After a rollback the loaders are rebuilt at the restored consumed samples (``lm.recover``),
-and ``train()`` gets the new iterators. But ``pretrain()`` keeps the ones it built and, after
-``train()`` returns, its final evaluation reads its valid iterator: one that the recovery
-left where it stood when the failure struck (a survivor), so that evaluation read other
-batches than a failure-free run's. :class:`PretrainIterators` remembers what ``pretrain()``
-built and moves each rebuilt iterator's state into it, so every holder reads the rebuilt
-stream.
-"""
+After a rollback the loaders are rebuilt at the restored consumed samples (the session's
+``recover``, megatron/lm.py), and ``train()`` gets the new iterators. But ``pretrain()``
+keeps the ones it built and, after ``train()`` returns, its final evaluation reads its valid
+iterator: one that the recovery left where it stood when the failure struck (a survivor), so
+that evaluation read other batches than a failure-free run's. :class:`PretrainIterators`
+remembers what ``pretrain()`` built and moves each rebuilt iterator's state into it, so
+every holder reads the rebuilt stream. """
 
 from __future__ import annotations
 
@@ -71,7 +70,7 @@ class PretrainIterators:
         from ..base.errors import ConfigError
 
         if dataset_provider is None:
-            raise ConfigError("lm.attach() was called without the dataset provider; the "
+            raise ConfigError("the session's attach() was called without the dataset provider; the "
                               "data iterators cannot be rebuilt after a recovery")
         providers = [dataset_provider] if chunks is None else \
             [_for_stage(dataset_provider, vp) for vp in range(chunks)]

@@ -6,7 +6,7 @@ runtime and the recovery steps; the holders of process groups are ``holders.py``
 Measurement is the meter's (mirror/meter.py); fault actions are bound in
 recovery/fault_points.py.
 
-    attach(link) ─► initial commit (first before_step) ─► after_step: capture ─► snapshot ...
+    attach(link) ─► initial commit (first before_step) ─► after_step: capture, snapshot ...
     on recovery: quiesce ─► use(link') ─► restore(rank, link')
 """
 

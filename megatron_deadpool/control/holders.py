@@ -4,7 +4,7 @@ each generation change their old groups are taken away and die on the reaper thr
 they are pointed at the new generation's groups; ``--deadpool-audit`` checks that none was
 missed.
 
-    attach(model, optimizer) ─► add(...) ... ─► failure: release(old) ─► rebind(audit) ─► ...
+    attach(model, optimizer) ─► add(...) ─► failure: release(old) ─► rebind(audit) ─► ...
 """
 
 from __future__ import annotations

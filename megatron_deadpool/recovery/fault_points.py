@@ -36,8 +36,11 @@ def worker_fault_points(env, member, rank: Callable[[], int], attachment, links
     def slow(fault, iteration: int) -> Callable[[], None]:
         return straggle(fault.factor, attachment.status()["compute_s"])
 
+    def knock(fault, iteration: int) -> None:  # its thread is no lasting effect
+        impostor.start(links.current.transport)
+
     actions = {Kind.DROP: lambda fault, it: attachment.mirror.drop_arrivals(it),
-               Kind.IMPOSTOR: lambda fault, it: impostor.start(links.current.transport),
+               Kind.IMPOSTOR: knock,
                Kind.DRAIN: drain,
                Kind.SLOW: slow}
     return FaultPoints(env.faults, rank=rank, node=env.node, claim=member.claim_fault,
