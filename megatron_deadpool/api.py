@@ -152,12 +152,12 @@ class Deadpool:
     def initialize_model_parallel(self, **kwargs) -> None:
         """``parallel_state.initialize_model_parallel(**kwargs)``, recorded and replayed on
         every rebuild; a peer dying meanwhile is survived."""
-        from megatron.core import parallel_state as ps
+        from .adapters import groups
 
         if self._runtime is not None:
             self._runtime.initialize_model_parallel(kwargs)
         else:
-            ps.initialize_model_parallel(**kwargs)
+            groups.initialize(**kwargs)
 
     def attach(self, model, optimizer, scheduler=None, train_state=None) -> None:
         """Protect these objects. A promoted spare returns from here restored.

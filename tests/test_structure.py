@@ -32,7 +32,7 @@ LAYERS = [
                 "persist", "handoff"]),
     ("adapters", ["support", "shard", "extra_state", "train_state", "cpu_standins", "cpu_mode",
                   "lm_rules", "checkpoints", "quiet", "iterators", "ddp", "training_globals",
-                  "tags", "evaluation", "async_saves", "cadence"]),
+                  "tags", "evaluation", "async_saves", "cadence", "groups"]),
     ("recovery", ["phases", "classify", "abort", "reaper", "rebind", "restore", "shared_groups",
                   "stall", "world", "gloo_waits", "fault_points", "formation", "alarms",
                   "fallback", "boundary", "counting"]),
@@ -216,6 +216,32 @@ def test_thread_clocks_only_in_the_meter(name, path):
         return
     text = path.read_text()
     assert not [w for w in METER_ONLY if w in text], f"{name} reads thread clocks"
+
+
+# Megatron knowledge lives in one folder tree each: megatron-core's in adapters/, Megatron-LM's
+# in megatron/ (its hooks, its trees), and the reference trainer's own in trainer/.
+MEGATRON_FOLDERS = ("adapters", "megatron", "trainer")
+
+
+def _megatron_imports(path: pathlib.Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        yield from (n for n in names if n == "megatron" or n.startswith("megatron."))
+
+
+@pytest.mark.parametrize("name,path", list(_modules()), ids=lambda x: str(x))
+def test_megatron_is_imported_only_in_its_folders(name, path):
+    """No module outside ``MEGATRON_FOLDERS`` imports megatron (lazy imports included)."""
+    if name.split(".")[0] in MEGATRON_FOLDERS:
+        return
+    assert not list(_megatron_imports(path)), f"{name} imports megatron: use adapters/"
+
+
+def test_the_megatron_check_sees_an_import(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def g():\n    from megatron.core import parallel_state\n")
+    assert list(_megatron_imports(f)) == ["megatron.core"]
 
 
 @pytest.mark.parametrize("name,path", list(_modules()), ids=lambda x: str(x))

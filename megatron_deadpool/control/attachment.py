@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-from ..adapters import extra_state, shard
+from ..adapters import extra_state, groups, shard
 from ..adapters import train_state as ts
 from ..adapters.support import check_supported, parallel_layout, step_barrier
 from ..base.errors import DeadpoolError
@@ -44,14 +44,12 @@ class Attachment:
 
     def attach(self, model, optimizer, scheduler, train_state, rank: int, world_size: int,
                with_cuda: bool, link: Link, fault_points) -> None:
-        from megatron.core import parallel_state as ps
-
         check_supported(model, optimizer)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.train_state, self._with_cuda = train_state, with_cuda
         self._extra = extra_state.holders(model)  # TE's FP8 scaling state, if any
         self._wrap_optimizer_step(optimizer, fault_points)
-        dp_size = ps.get_data_parallel_world_size()
+        dp_size = groups.data_parallel_size()
         m = self.mirror = Mirror(rank, self.settings.replicas, use_cuda=with_cuda,
                                  job=self.settings.job_id, meter=self.meter)
         m.set_sources(lambda: shard.shard_tensors(optimizer, placeholders=True)

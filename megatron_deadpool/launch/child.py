@@ -73,11 +73,9 @@ def _prepare(device: Optional[str]):
         from ..adapters import async_saves
 
         async_saves.cpu_writer()  # --async-save's writer process: the CPU layer on too
-    from megatron.training import training
-
     from ..megatron import lm
 
-    lm.capture_setup(training)
+    lm.capture_setup()
     return lm
 
 

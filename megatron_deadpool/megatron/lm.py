@@ -366,10 +366,12 @@ def session() -> Session:
 
 
 # ---------------------------------------------------------------------------- end
-def capture_setup(training_module) -> None:
-    """Record the model and optimizer ``setup_model_and_optimizer`` returns, so that the
-    end-of-run fingerprint also works for a script without the attach hook (the unpatched
-    script, or ``--deadpool`` off)."""
+def capture_setup() -> None:
+    """Record the model and optimizer Megatron-LM's ``setup_model_and_optimizer`` returns,
+    so that the end-of-run fingerprint also works for a script without the attach hook (the
+    unpatched script, or ``--deadpool`` off)."""
+    from megatron.training import training as training_module
+
     orig = training_module.setup_model_and_optimizer
 
     def setup_model_and_optimizer(*a, **k):

@@ -35,6 +35,8 @@ import threading
 import traceback
 from typing import Dict, Iterable, List, Optional, Set
 
+from ..adapters import groups
+
 _owned: Set[int] = set()  # inodes of the sockets that this process's communicators opened
 _owned_lock = threading.Lock()
 
@@ -204,12 +206,7 @@ def destroy_world() -> None:
     """Forget this generation's groups: megatron's globals first, then torch's registry."""
     import torch.distributed as dist
 
-    try:
-        from megatron.core import parallel_state as ps
-
-        ps.destroy_model_parallel()
-    except ImportError:
-        pass
+    groups.destroy()
     if dist.is_initialized():
         dist.destroy_process_group()
 

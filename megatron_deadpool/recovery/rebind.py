@@ -23,6 +23,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from ..adapters import groups
 from ..base.config import Audit
 from ..base.errors import RebindAuditError
 
@@ -43,18 +44,8 @@ def _pg_type():
 def current_roles() -> Dict[int, str]:
     """id(group) -> role name, for the groups of the current generation."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
-    pg = _pg_type()
-    roles: Dict[int, str] = {}
-    for name in sorted(vars(ps)):
-        val = getattr(ps, name)
-        if isinstance(val, pg):
-            roles.setdefault(id(val), name)
-        elif isinstance(val, (list, tuple)):
-            for i, v in enumerate(val):
-                if isinstance(v, pg):
-                    roles.setdefault(id(v), f"{name}[{i}]")
+    roles = groups.roles(_pg_type())
     if dist.is_initialized():
         roles.setdefault(id(dist.group.WORLD), "WORLD")
     return roles
@@ -62,14 +53,10 @@ def current_roles() -> Dict[int, str]:
 
 def group_for_role(role: str):
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     if role == "WORLD":
         return dist.group.WORLD
-    if role.endswith("]"):
-        name, idx = role[:-1].split("[")
-        return getattr(ps, name)[int(idx)]
-    return getattr(ps, role)
+    return groups.group_of(role)
 
 
 # A path step: ("attr", name) | ("item", key) | ("index", i) | ("tuple", i)

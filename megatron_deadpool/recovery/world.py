@@ -23,6 +23,7 @@ import threading
 from datetime import timedelta
 from typing import Callable, Mapping, Optional
 
+from ..adapters import groups
 from ..base.sections import LOPSIDED_SECTIONS
 from ..base.vocabulary import Event
 from . import abort as ab
@@ -134,15 +135,13 @@ class World:
         the first build's, recorded); each group's creation is bounded like the world's (not
         by megatron's default of 30 minutes), and roles with the same members share one gloo
         group (shared_groups.py)."""
-        from megatron.core import parallel_state as ps
-
         if mp_kwargs is not None:
             self.mp_kwargs = dict(mp_kwargs)
         kwargs = dict(self.mp_kwargs or {})
         kwargs["distributed_timeout_minutes"] = self._form_timeout_s / 60
         timeout = timedelta(minutes=kwargs["distributed_timeout_minutes"])  # megatron's own
         with shared_gloo_groups(self.backend, timeout) as shared, ab.communicator_sockets():
-            ps.initialize_model_parallel(**kwargs)
+            groups.initialize(**kwargs)
         log.debug("model-parallel groups built; %d gloo group(s) shared", shared[0])
 
     def set_collective_timeouts(self) -> None:
