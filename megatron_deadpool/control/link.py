@@ -54,7 +54,6 @@ class Link:
     """One generation's: the mirror transport, the store rounds of its collectives, the
     rejection board, the generation's store and the placement's nodes."""
 
-    gen: int
     nodes: tuple                      # the plan's node of each rank (buddy placement)
     transport: object                 # a registered MirrorTransport
     rounds: StoreRounds
@@ -98,7 +97,7 @@ class Links:
         collectives = self._mirror_group() if s.transport_name is Transport.GLOO else rounds
         transport = create_transport(s.transport_name, TransportContext(
             store, rank, world, collectives, s.store_host, s.secret, plan.gen, s.op_timeout_s))
-        self.current = Link(plan.gen, tuple(plan.node_of_rank), transport, rounds,
+        self.current = Link(tuple(plan.node_of_rank), transport, rounds,
                             RejectionBoard(store), store)
         return self.current
 

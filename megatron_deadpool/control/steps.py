@@ -182,10 +182,6 @@ class Sequence:
     def __init__(self, crew: Crew, steps: Seq[Type[Step]]):
         self.steps = tuple(step(crew) for step in steps)
 
-    @property
-    def phases(self) -> tuple:
-        return tuple(step.phase for step in self.steps)
-
     def run(self, a: Attempt, through: Optional[Phase] = None) -> Attempt:
         """The steps ``a`` has not done yet, up to ``through`` (default: all). Stopped
         early, the next step's phase times the caller's work until it resumes."""
