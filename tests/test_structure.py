@@ -40,11 +40,11 @@ LAYERS = [
     ("", ["api"]),
     ("megatron", ["lm", "tree"]),
     ("trainer", ["args", "data", "gpt"]),
-    ("launch", ["agent", "options", "fault_driver", "summary", "launcher", "child", "progress",
-                "slurm_drain"]),
+    ("launch", ["gpus", "agent", "options", "fault_driver", "summary", "launcher", "child",
+                "progress", "slurm_drain"]),
     ("apps", ["demo", "soak", "bench", "bench_recovery", "bench_peers", "peer_log",
               "peer_inject", "peer_systems", "report", "sim", "sim_plot", "sim_peers",
-              "sim_counts", "sim_measured", "bench_units", "drain", "cli"]),
+              "sim_counts", "sim_measured", "bench_units", "bench_gpu", "drain", "cli"]),
 ]
 FOLDER_LAYER = {folder.replace("/", "."): i for i, (folder, _) in enumerate(LAYERS)}
 LAYER_OF = {(f"{folder.replace('/', '.')}.{m}" if folder else m): i

@@ -78,6 +78,10 @@ def _add_launch(lp) -> None:
                     help="cpu: CPU mode (with --script: the package's CPU mode, gloo and the "
                          "CPU-only Megatron-LM flags of docs/cpu-mode.md); default: the "
                          "trainer's own choice")
+    lp.add_argument("--share-gpu", action="store_true",
+                    help="with --device cuda: run more processes than GPUs, each process its "
+                         "own NCCL host on the socket transport (a test layout for one GPU, "
+                         "not a production one; launch/gpus.py)")
     lp.add_argument("--inject", action="append", default=[], metavar="SPEC",
                     help="fault to inject, repeatable: kill:node=1@iter=12, "
                          "kill:rank=5@iter=7,phase=optimizer, stop:rank=3@iter=9")
@@ -144,6 +148,23 @@ def _add_bench(sub) -> None:
     add_units(bsub.add_parser("units", help="what one unit of each counted kind of recovery "
                               "work costs (a store operation, a gloo connection, a group), "
                               "timed alone by 2 processes; run it on an idle machine"))
+    bg = bsub.add_parser("gpu", help="the NCCL hot swap on one GPU that hosts the whole job "
+                         "(--share-gpu): both trainers, failure-free and node 1 killed; "
+                         "bitwise and the phases (scripts/gpu_swap_check.sh runs it)")
+    bg.add_argument("--out", required=True, metavar="DIR",
+                    help="gpu_swap.json, gpu_swap.log and each run's files go here")
+    bg.add_argument("--megatron-lm", default=None, metavar="DIR",
+                    help="a patched Megatron-LM tree (scripts/apply_patches.sh); without "
+                         "it only the reference trainer runs")
+    bg.add_argument("--budget-s", type=float, default=420.0,
+                    help="stop starting cases after this many seconds (default %(default)s)")
+    bg.add_argument("--cases", default=None, metavar="A,B", help="only these cases")
+    bg.add_argument("--commit", default=None, help="the commit, where git is not there")
+    bg.add_argument("--dry-run", action="store_true",
+                    help="print what would run and write the plan; runs nothing")
+    bg.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cpu: the same cases in CPU mode with gloo, to rehearse the script "
+                         "where no GPU is")
     from .bench_peers import add_arguments as add_peers
 
     add_peers(bsub.add_parser("peers", help="DeadPool against NVRx and a whole-job relaunch "
@@ -161,7 +182,7 @@ def _run_launch(args, rest: List[str]) -> int:
         master_addr=args.master_addr, master_port=args.master_port,
         summary_json=args.summary_json, script=args.script, inject=args.inject,
         results_dir=args.results_dir, trainer_argv=rest, device=args.device,
-        join_as_spare=args.join_as_spare)
+        share_gpu=args.share_gpu, join_as_spare=args.join_as_spare)
     summary = run(opts)
     if summary["ok"] and args.join_as_spare:
         print(f"[launch] spare node {summary['node']} left the job: "
@@ -212,6 +233,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.cmd == "bench":
             from . import bench
 
+            if args.bench == "gpu":
+                from .bench_gpu import run as gpu
+
+                r = gpu(args.out, args.megatron_lm, args.budget_s, args.dry_run, args.commit,
+                        args.cases.split(",") if args.cases else None, args.device)
+                return 0 if args.dry_run or r["bitwise"] else 1
             if args.bench == "peers":
                 from .bench_peers import run as peers
 

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from ..base.state import Role
 from ..membership import store as st
@@ -39,8 +39,10 @@ class WorkerSpec:
 class NodeAgent:
     def __init__(self, node: int, workers: List[WorkerSpec], argv: List[str], base_env: dict,
                  job_env: WorkerEnv, coord: Optional[st.Coordinator], prefix_map: Dict[int, str],
-                 out=sys.stdout, use_store: bool = True):
+                 out=sys.stdout, use_store: bool = True,
+                 device_env: Callable[[WorkerSpec], dict] = lambda w: {}):
         self.node, self.workers, self.argv = node, workers, argv
+        self.device_env = device_env  # a process's GPU placement (launch/gpus.py)
         self.base_env, self.job_env = base_env, job_env
         self.coord, self.prefix_map = coord, prefix_map
         self.rejected_commands = 0
@@ -66,6 +68,7 @@ class NodeAgent:
         env = dict(self.base_env)
         env.update(replace(self.job_env, lid=w.lid, node=self.node, role=w.role,
                            local_rank=w.local_rank, rank=w.rank).to_env())
+        env.update(self.device_env(w))
         p = subprocess.Popen(self.argv, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              start_new_session=True)

@@ -173,10 +173,24 @@ def _setup(opts: LaunchOptions, cfg, faults, say, out) -> Job:
         job.coord.publish_job_env(job.env.to_env())  # for spare nodes that join later
     nodes = sorted({s.node for s in specs}) if local else [opts.node_rank]
     argv = worker_command(opts)
+    device_env = _device_env(opts, say)
     job.agents = [NodeAgent(node, [s for s in specs if s.node == node], argv, base_env,
-                            job.env, job.coord, job.prefix, out=out, use_store=cfg.enabled)
+                            job.env, job.coord, job.prefix, out=out, use_store=cfg.enabled,
+                            device_env=device_env)
                   for node in nodes]
     return job
+
+
+def _device_env(opts: LaunchOptions, say):
+    """Each worker's GPU placement; the shared-GPU mode's NCCL settings are said once."""
+    from . import gpus
+
+    if opts.share_gpu:
+        mode = gpus.describe(True)
+        say(f"shared-GPU mode ({mode['note']}): GPU(s) {','.join(gpus.visible_gpus())}; "
+            + " ".join(f"{k}={v}" for k, v in mode["nccl_env"].items())
+            + f" and {gpus.HOSTID_VAR}={mode['per_process'][gpus.HOSTID_VAR]} per process")
+    return opts.device_env(gpus.visible_gpus() if opts.device == "cuda" else [])
 
 
 def _join_as_spare(opts: LaunchOptions, cfg, say, out) -> dict:
@@ -197,7 +211,8 @@ def _join_as_spare(opts: LaunchOptions, cfg, say, out) -> dict:
     prefix = {lid: f"n{node} spare{lid}" for lid in lids}
     base_env = {k: v for k, v in os.environ.items() if k not in WorkerEnv.variables()}
     base_env["PYTHONUNBUFFERED"] = "1"
-    agent = NodeAgent(node, specs, worker_command(opts), base_env, env, coord, prefix, out=out)
+    agent = NodeAgent(node, specs, worker_command(opts), base_env, env, coord, prefix, out=out,
+                      device_env=_device_env(opts, say))
     job = Job(opts=opts, cfg=cfg, say=say, agents=[agent], prefix=prefix, store=store,
               coord=coord, env=env, joined=True)
     say(f"joined as spare node {node} with processes {lids}")

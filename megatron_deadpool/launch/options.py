@@ -36,6 +36,9 @@ class LaunchOptions:
     trainer_argv: List[str] = field(default_factory=list)
     quiet: bool = False
     device: Optional[str] = None  # cpu | cuda; None: the trainer's own default
+    # --device cuda with more processes than GPUs on a machine (launch/gpus.py): a test
+    # layout, every process its own NCCL host on the socket transport
+    share_gpu: bool = False
     # Simulated nodes only: a process that died is replaced by a fresh standby spare on
     # the same node (the node "returns"), so the spare pool stays topped up (soak).
     respawn_spares: bool = False
@@ -59,10 +62,37 @@ class LaunchOptions:
                               "--master-port (and no --node-rank)")
         if self.device not in (None, "cpu", "cuda"):
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.share_gpu and self.device != "cuda":
+            raise ConfigError("--share-gpu needs --device cuda")
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.procs_per_node
+
+    @property
+    def simulated(self) -> bool:
+        """Every node simulated on this machine (no --node-rank, not joining a job)."""
+        return self.node_rank is None and not self.join_as_spare
+
+    def procs_here(self, with_spares: bool) -> int:
+        """Worker processes started on this machine at launch."""
+        nodes = (self.nodes + (self.spare_nodes if with_spares else 0)
+                 if self.simulated else 1)
+        return nodes * self.procs_per_node
+
+    def device_env(self, gpus: List[str]):
+        """Per worker: the variables that place it on a GPU (``launch/gpus.py``)."""
+        from . import gpus as placement
+
+        if self.device != "cuda":
+            return lambda w: {}
+        P = self.procs_per_node
+
+        def env(w: WorkerSpec) -> dict:
+            slot = w.node * P + w.local_rank if self.simulated else w.local_rank
+            return placement.process_env(gpus, slot, w.node, w.lid, self.share_gpu,
+                                         pin=self.simulated)
+        return env
 
 
 def free_port() -> int:
@@ -123,6 +153,11 @@ def validate(opts: LaunchOptions):
     why = replicas_refusal(cfg.replicas, nodes=opts.nodes, spare_nodes=opts.spare_nodes)
     if cfg.enabled and why:
         raise ConfigError(why)
+    if opts.device == "cuda":
+        from . import gpus
+
+        gpus.check(opts.procs_here(with_spares=cfg.enabled), opts.share_gpu,
+                   gpus.visible_gpus())
     return cfg, faults
 
 

@@ -13,6 +13,7 @@ from ..base import counts
 from ..base.plan import Plan
 from ..base.state import Role
 from ..base.vocabulary import PHASE_ORDER
+from . import gpus
 from .options import LaunchOptions
 
 
@@ -60,6 +61,8 @@ def build_summary(opts, cfg, results_dir, decider, codes, failed, wall_s,
     losses = read_losses(results_dir)
     summary = {
         "layout": _layout(opts),
+        "device": opts.device,
+        "share_gpu": gpus.describe(opts.share_gpu),
         "completed_iters": len(losses),
         "losses": losses,
         "final_state_sha256": shas.pop() if complete else None,

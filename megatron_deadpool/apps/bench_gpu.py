@@ -1,0 +1,264 @@
+"""``deadpool bench gpu``: the NCCL hot swap on one GPU that hosts the whole job.
+
+TP2 x PP2 x DP2 on 4 nodes x 2 processes + 1 spare node (8 ranks, 2 spares), bf16, NCCL,
+every process on the one GPU in the shared-GPU mode (``launch/gpus.py``: each process its
+own NCCL host on the socket transport; a test layout, not a production one). For each
+trainer (the reference trainer; Megatron-LM's patched ``pretrain_gpt.py`` when a tree is
+given), a failure-free run and runs with node 1 SIGKILLed at iteration K: in forward/backward
+(a pipeline send or receive in flight), in the optimizer step (the survivors in the
+data-parallel reduce-scatter / all-gather), in the mirror job. Each kill run must end with
+the failure-free run's state fingerprint (``bitwise``) and every recovery phase under
+``PHASE_LIMIT_S``.
+
+Writes ``gpu_swap.json`` and ``gpu_swap.log`` (every launcher's whole output) under
+``--out`` and prints a table. Cases run in :data:`CASES` order until ``--budget-s`` is
+spent; a case that does not fit is recorded as skipped. ``--dry-run`` prints the commands
+and writes the JSON's plan without running anything (no GPU needed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from ..adapters import lm_rules
+from ..base.vocabulary import PHASE_ORDER
+from ..launch import gpus
+
+KILL_ITER, ITERS, PHASE_LIMIT_S = 6, 12, 30.0
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+          "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+          "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "2",
+          "--global-batch-size", "16", "--train-iters", str(ITERS), "--lr", "1e-3",
+          "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--mock-data",
+          "--use-distributed-optimizer", "--bf16"]
+TRAINER_FLAGS = {
+    "reference": LAYOUT + ["--vocab-size", "512"],
+    # Megatron-LM without TE/apex (the device has neither): the CPU mode's flags but gloo;
+    # --deterministic-mode: Megatron's own switch (torch deterministic algorithms,
+    # CUBLAS_WORKSPACE_CONFIG, NCCL_ALGO=Ring)
+    "pretrain_gpt": LAYOUT + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "512",
+                              "--log-interval", "1", "--deterministic-mode"]
+    + [f for names, add in lm_rules.CPU_FLAGS if names != ("--distributed-backend",)
+       for f in add],
+}
+# What every run's processes get besides the shared-GPU mode's NCCL settings
+ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "1",
+       "TORCHDYNAMO_DISABLE": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    trainer: str                 # a key of TRAINER_FLAGS
+    phase: Optional[str] = None  # None: failure-free; else node 1 killed in this phase
+    what: str = "failure-free"
+
+    def inject(self) -> List[str]:
+        return [] if self.phase is None else [f"kill:node=1@iter={KILL_ITER},phase={self.phase}"]
+
+
+_FWD = "a pipeline send/receive in flight"
+# In priority order: the budget cuts from the end.
+CASES = (
+    Case("ref-free", "reference"),
+    Case("ref-kill-fwdbwd", "reference", "forward_backward", _FWD),
+    Case("mlm-free", "pretrain_gpt"),
+    Case("mlm-kill-fwdbwd", "pretrain_gpt", "forward_backward", _FWD),
+    Case("ref-kill-optimizer", "reference", "optimizer",
+         "the survivors in the data-parallel reduce-scatter / all-gather"),
+    Case("mlm-kill-optimizer", "pretrain_gpt", "optimizer",
+         "the survivors in the data-parallel reduce-scatter / all-gather"),
+    Case("ref-kill-mirror", "reference", "mirror", "the mirror job in flight"),
+    Case("ref-free-again", "reference", what="failure-free again: is the trainer deterministic"),
+)
+MIN_CASE_S = 45.0  # a case is not started with less budget left
+
+
+def command(case: Case, out: str, tree: Optional[str], device: str = "cuda") -> List[str]:
+    """A case's launch. ``device="cpu"``: the same job in CPU mode with gloo (a rehearsal
+    of the script on a machine without a GPU)."""
+    d = os.path.join(out, case.name)
+    argv = [sys.executable, "-m", "megatron_deadpool.apps.cli", "launch", "--nodes", "4",
+            "--procs-per-node", "2", "--spare-nodes", "1", "--device", device,
+            *(["--share-gpu"] if device == "cuda" else []),
+            "--summary-json", d + ".json", "--results-dir", d]
+    flags = list(TRAINER_FLAGS[case.trainer])
+    if case.trainer == "pretrain_gpt":
+        argv += ["--script", os.path.join(tree, "pretrain_gpt.py")]
+    else:
+        flags += ["--device", device, "--backend", "nccl" if device == "cuda" else "gloo"]
+    for spec in case.inject():
+        argv += ["--inject", spec]
+    return argv + ["--", *flags, "--deadpool", "--deadpool-events", d + ".events.jsonl"]
+
+
+def environment(commit: Optional[str]) -> dict:
+    info = {"commit": commit or _git_commit(), "python": platform.python_version(),
+            "host": platform.node(), "share_gpu": gpus.describe(True), "env": dict(ENV),
+            "date": time.strftime("%Y-%m-%d")}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["cuda_available"] = torch.cuda.is_available()
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception as exc:  # noqa: BLE001 -- recorded: the JSON says what was missing
+        info["torch_error"] = repr(exc)
+    return info
+
+
+def _git_commit() -> Optional[str]:
+    try:
+        return subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run_case(case: Case, argv: List[str], out: str, timeout_s: float, log) -> dict:
+    """One launch; its output goes to ``log``. A launch over ``timeout_s`` is stopped
+    (SIGTERM, then SIGKILL) and anything left of its processes is killed."""
+    env = dict(os.environ, **ENV)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    log.write(f"\n===== {case.name}: {case.what}\n$ {' '.join(argv)}\n")
+    log.flush()
+    t0 = time.monotonic()
+    p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out,
+                         start_new_session=True)
+    timed_out = False
+    try:
+        p.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _stop(p)
+    _sweep(os.path.join(out, case.name))
+    return summarize(case, os.path.join(out, case.name + ".json"), p.returncode,
+                     time.monotonic() - t0, timed_out)
+
+
+def _stop(p: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(p.pid, sig)
+            p.wait(timeout=wait)
+            return
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
+
+
+def _sweep(results_dir: str) -> List[int]:
+    """Kill every process whose DEADPOOL_RESULTS_DIR is ``results_dir`` (a worker that
+    outlived its launcher, e.g. stuck in a CUDA call); returns their pids."""
+    killed, want = [], f"DEADPOOL_RESULTS_DIR={results_dir}".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if want in f.read().split(b"\0"):
+                    os.kill(int(pid), signal.SIGKILL)
+                    killed.append(int(pid))
+        except OSError:
+            continue
+    return killed
+
+
+def summarize(case: Case, path: str, code: Optional[int], wall_s: float,
+              timed_out: bool) -> dict:
+    s = json.load(open(path)) if os.path.exists(path) else {}
+    recs = [{"phases_s": r["phases_s"], "total_s": r["total_s"], "wall_s": r.get("wall_s"),
+             "failed_ranks": r["failed_ranks"], "restored_iter": r["restored_iter"],
+             "recomputed_iters": r["recomputed_iters"]} for r in s.get("recoveries", [])]
+    worst = max((v for r in recs for v in r["phases_s"].values() if v is not None),
+                default=None)
+    return {"case": case.name, "trainer": case.trainer, "kill_phase": case.phase,
+            "what": case.what, "inject": case.inject(), "exit_code": code,
+            "timed_out": timed_out, "wall_s": round(wall_s, 1), "ok": bool(s.get("ok")),
+            "error": s.get("error") if s else "no summary written",
+            "completed_iters": s.get("completed_iters"),
+            "final_state_sha256": s.get("final_state_sha256"), "recoveries": recs,
+            "max_phase_s": worst, "losses": s.get("losses")}
+
+
+def verdict(results: List[dict]) -> Dict[str, object]:
+    """Per trainer: every kill run that finished has the failure-free run's fingerprint
+    (None: nothing to compare), its recoveries happened, and no phase passed the limit."""
+    out: Dict[str, object] = {}
+    for trainer in TRAINER_FLAGS:
+        mine = [r for r in results if r["trainer"] == trainer]
+        ref = next((r for r in mine if r["kill_phase"] is None and r["ok"]), None)
+        kills = [r for r in mine if r["kill_phase"] is not None]
+        if ref is None or not kills:
+            out[trainer] = None
+            continue
+        for r in kills:
+            r["bitwise"] = bool(r["ok"] and r["final_state_sha256"] == ref["final_state_sha256"])
+            r["phases_bounded"] = bool(r["recoveries"]) and (r["max_phase_s"] or 0) <= PHASE_LIMIT_S
+        out[trainer] = all(r["bitwise"] and r["phases_bounded"] for r in kills)
+    return out
+
+
+def table(results: List[dict]) -> str:
+    head = ["case", "ok", "bitwise", "recoveries", "max phase s", "wall s"]
+    rows = [head] + [[r["case"], str(r["ok"]), str(r.get("bitwise", "-")),
+                      str(len(r["recoveries"])), str(r["max_phase_s"] or "-"),
+                      str(r["wall_s"])] for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    for r in results:
+        for i, rec in enumerate(r["recoveries"]):
+            phases = " ".join(f"{ph} {rec['phases_s'][ph]}" for ph in PHASE_ORDER
+                              if rec["phases_s"].get(ph) is not None)
+            lines.append(f"{r['case']} recovery {i + 1}: {phases}")
+    return "\n".join(lines)
+
+
+def run(out: str, tree: Optional[str], budget_s: float, dry_run: bool,
+        commit: Optional[str] = None, cases: Optional[List[str]] = None,
+        device: str = "cuda") -> dict:
+    os.makedirs(out, exist_ok=True)
+    chosen = [c for c in CASES if (cases is None or c.name in cases)
+              and (tree is not None or c.trainer != "pretrain_gpt")]
+    result = {"bench": "gpu_swap", "environment": environment(commit), "kill_iter": KILL_ITER,
+              "train_iters": ITERS, "phase_limit_s": PHASE_LIMIT_S,
+              "megatron_lm_tree": tree, "dry_run": dry_run, "device": device,
+              "plan": [{"case": c.name, "what": c.what, "argv": command(c, out, tree, device)}
+                       for c in chosen], "results": [], "skipped": []}
+    if tree is None:
+        result["skipped"].append({"trainer": "pretrain_gpt", "why": "no --megatron-lm tree"})
+    if dry_run:
+        for c in result["plan"]:
+            print(f"[bench gpu] would run {c['case']} ({c['what']}):\n  {' '.join(c['argv'])}")
+        return _write(out, result)
+    deadline = time.monotonic() + budget_s
+    with open(os.path.join(out, "gpu_swap.log"), "a") as log:
+        for c, planned in zip(chosen, result["plan"]):
+            left = deadline - time.monotonic()
+            if left < MIN_CASE_S:
+                result["skipped"].append({"case": c.name, "why": f"budget: {left:.0f} s left"})
+                continue
+            print(f"[bench gpu] {c.name}: {c.what} ({left:.0f} s of budget left)", flush=True)
+            result["results"].append(run_case(c, planned["argv"], out, left, log))
+            _write(out, result)  # what ran so far survives a cut-off
+    v = verdict(result["results"])
+    result["bitwise_by_trainer"] = v
+    result["bitwise"] = bool(v) and all(x is True for x in v.values() if x is not None) \
+        and any(x is True for x in v.values())
+    print(table(result["results"]), flush=True)
+    print(f"[bench gpu] bitwise {result['bitwise']} {v}", flush=True)
+    return _write(out, result)
+
+
+def _write(out: str, result: dict) -> dict:
+    with open(os.path.join(out, "gpu_swap.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
