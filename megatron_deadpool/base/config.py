@@ -105,6 +105,9 @@ class DeadpoolConfig:
     events_path: Optional[str] = None
     audit: Audit = Audit.WALK
     max_local_restarts: int = 0
+    # pre-started standby processes per active node that take a crashed rank of that node
+    # (with --deadpool-max-local-restarts); 0: a local restart starts a process cold
+    local_standby: int = 1
     on_no_spare: OnNoSpare = OnNoSpare.FAIL
     spare_wait_timeout_s: float = 600.0
     # survivors wait this long for a promoted spare to build its model before the restore
@@ -147,6 +150,8 @@ class DeadpoolConfig:
         if self.max_local_restarts < 0:
             raise ConfigError(f"--deadpool-max-local-restarts must be >= 0, got "
                               f"{self.max_local_restarts}")
+        if self.local_standby < 0:
+            raise ConfigError(f"--deadpool-local-standby must be >= 0, got {self.local_standby}")
         self._parse("on_no_spare", OnNoSpare)
         if not self.spare_ready_timeout_s > 0:
             raise ConfigError("--deadpool-spare-ready-timeout must be > 0, got "
@@ -186,6 +191,7 @@ class DeadpoolConfig:
             events_path=args.deadpool_events,
             audit=args.deadpool_audit,
             max_local_restarts=getattr(args, "deadpool_max_local_restarts", 0),
+            local_standby=getattr(args, "deadpool_local_standby", 1),
             on_no_spare=getattr(args, "deadpool_on_no_spare", OnNoSpare.FAIL),
             spare_wait_timeout_s=getattr(args, "deadpool_spare_wait_timeout", 600.0),
             spare_ready_timeout_s=getattr(args, "deadpool_spare_ready_timeout", 600.0),
@@ -202,6 +208,11 @@ class DeadpoolConfig:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+    @property
+    def standbys_per_node(self) -> int:
+        """Warm standby processes each active node starts (only with local restarts)."""
+        return self.local_standby if self.enabled and self.max_local_restarts > 0 else 0
 
     @property
     def take_plan_timeout_s(self) -> float:
@@ -307,6 +318,12 @@ def add_deadpool_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    metavar="N", help="a process that crashes on a healthy node is restarted in "
                    "its slot, up to N times per rank, instead of spending a spare node; spares "
                    "are for dead nodes (default %(default)s)")
+    g.add_argument("--deadpool-local-standby", type=int, default=d.local_standby,
+                   metavar="N", help="with --deadpool-max-local-restarts: N pre-started "
+                   "standby processes per active node (imports done, waiting like a spare) "
+                   "take a crashed rank of their node as fast as a spare takes a dead node's; "
+                   "the used one is replaced in the background. 0: the crashed rank's "
+                   "replacement starts cold (default %(default)s)")
     g.add_argument("--deadpool-on-no-spare", choices=values(OnNoSpare), default=d.on_no_spare,
                    help="a failure with no spare left: 'fail' stops the job naming the last "
                    "committed iteration; 'wait' waits for a spare to join (`deadpool launch "

@@ -59,7 +59,7 @@ class Event(ValueEnum):
     FALLBACK_SAVE = "fallback_save"      # rank, dir, copies
     COPY_REJECTED = "mirror_copy_rejected"  # rank, owner, iteration, why
     UNPROTECTED = "unprotected"          # rank, iteration, committed
-    LOCAL_RESTART = "local_restart"      # rank, node, exit_code (decider)
+    LOCAL_RESTART = "local_restart"      # rank, node, exit_code, lid, replaces, warm (decider)
     SPARE_WAIT = "spare_wait"            # generation, ... (decider)
     DRAIN = "drain"                      # generation, node, reason, ranks (decider)
     DRAIN_REFUSED = "drain_refused"      # node, reason, why: the job goes on untouched

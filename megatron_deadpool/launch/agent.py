@@ -34,6 +34,7 @@ class WorkerSpec:
     role: Role  # ACTIVE or SPARE
     rank: Optional[int]
     local_rank: int
+    standby: bool = False  # a node's warm standby: it takes a crashed rank of its node
 
 
 class NodeAgent:
@@ -119,11 +120,14 @@ class NodeAgent:
                 sig = getattr(signal, cmd["signal"])
                 for lid in cmd["lids"]:
                     self.signal(lid, sig)
-            elif cmd["op"] == CommandOp.SPAWN:  # a crashed process restarted in its slot
+            elif cmd["op"] == CommandOp.SPAWN:  # a crashed process restarted in its slot,
+                # or a new warm standby in place of one that took a crashed rank
                 old = next((w for w in self.workers if w.lid == cmd["replaces"]), None)
-                self.prefix_map.setdefault(cmd["lid"], f"n{self.node} restart{cmd['lid']}")
+                standby = bool(cmd.get("standby"))
+                self.prefix_map.setdefault(cmd["lid"], f"n{self.node} "
+                                           f"{'standby' if standby else 'restart'}{cmd['lid']}")
                 self.spawn(WorkerSpec(lid=cmd["lid"], node=self.node, role=Role.SPARE, rank=None,
-                                      local_rank=old.local_rank if old else 0))
+                                      local_rank=old.local_rank if old else 0, standby=standby))
 
     def signal(self, lid: int, sig: int) -> None:
         """Signal a worker. A kill or a stop reaches its whole process group (each worker

@@ -145,10 +145,11 @@ def _setup(opts: LaunchOptions, cfg, faults, say, out) -> Job:
     results_dir = opts.results_dir or tempfile.mkdtemp(prefix="deadpool-run-")
     os.makedirs(results_dir, exist_ok=True)
     token = os.environ.get("DEADPOOL_TOKEN") or secrets.token_hex(16)
-    specs = worker_specs(opts, with_spares=cfg.enabled)
+    specs = worker_specs(opts, with_spares=cfg.enabled, standbys=cfg.standbys_per_node)
     job = Job(opts=opts, cfg=cfg, say=say, agents=[],
               prefix={s.lid: (f"n{s.node} r{s.rank}" if s.rank is not None
-                              else f"n{s.node} spare{s.lid}") for s in specs},
+                              else f"n{s.node} {'standby' if s.standby else 'spare'}{s.lid}")
+                      for s in specs},
               # store port 0: no coordinator (without --deadpool), nobody to report to
               env=WorkerEnv(store_host=opts.master_addr,
                             store_port=store_port if cfg.enabled else 0,
@@ -229,7 +230,8 @@ def _join_as_spare(opts: LaunchOptions, cfg, say, out) -> dict:
 
 
 def _start_decider(job: Job, specs: List[WorkerSpec], token: str, faults) -> None:
-    procs = {s.lid: Proc(lid=s.lid, node=s.node, role=s.role, rank=s.rank) for s in specs}
+    procs = {s.lid: Proc(lid=s.lid, node=s.node, role=s.role, rank=s.rank, standby=s.standby)
+             for s in specs}
     job.decider = Decider(store=job.store, procs=procs, world_size=job.opts.world_size,
                           token=token, send_command=job.coord.push_command,
                           config=job.cfg.decider(), log=job.say,

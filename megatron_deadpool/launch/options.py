@@ -74,11 +74,11 @@ class LaunchOptions:
         """Every node simulated on this machine (no --node-rank, not joining a job)."""
         return self.node_rank is None and not self.join_as_spare
 
-    def procs_here(self, with_spares: bool) -> int:
+    def procs_here(self, with_spares: bool, standbys: int = 0) -> int:
         """Worker processes started on this machine at launch."""
         nodes = (self.nodes + (self.spare_nodes if with_spares else 0)
                  if self.simulated else 1)
-        return nodes * self.procs_per_node
+        return nodes * self.procs_per_node + (self.nodes if self.simulated else 1) * standbys
 
     def device_env(self, gpus: List[str]):
         """Per worker: the variables that place it on a GPU (``launch/gpus.py``)."""
@@ -156,7 +156,11 @@ def validate(opts: LaunchOptions):
     if opts.device == "cuda":
         from . import gpus
 
-        gpus.check(opts.procs_here(with_spares=cfg.enabled), opts.share_gpu,
+        if cfg.standbys_per_node and not opts.share_gpu:
+            raise ConfigError("--deadpool-local-standby with --device cuda needs --share-gpu: "
+                              "binding a standby's GPU when it takes a rank is not built yet; "
+                              "--deadpool-local-standby 0 restarts a crashed rank cold")
+        gpus.check(opts.procs_here(cfg.enabled, cfg.standbys_per_node), opts.share_gpu,
                    gpus.visible_gpus())
     return cfg, faults
 
@@ -195,7 +199,10 @@ def worker_command(opts: LaunchOptions) -> List[str]:
     return [*cmd, os.path.abspath(opts.script), *argv]
 
 
-def worker_specs(opts: LaunchOptions, with_spares: bool) -> List[WorkerSpec]:
+def worker_specs(opts: LaunchOptions, with_spares: bool, standbys: int = 0
+                 ) -> List[WorkerSpec]:
+    """Actives, then the spare nodes' processes, then ``standbys`` warm standbys on each
+    active node (local slots P, P+1, ...)."""
     W, P = opts.world_size, opts.procs_per_node
     specs = [WorkerSpec(lid=r, node=r // P, role=Role.ACTIVE, rank=r, local_rank=r % P)
              for r in range(W)]
@@ -203,6 +210,9 @@ def worker_specs(opts: LaunchOptions, with_spares: bool) -> List[WorkerSpec]:
         for i in range(opts.spare_nodes * P):
             specs.append(WorkerSpec(lid=W + i, node=opts.nodes + i // P, role=Role.SPARE,
                                     rank=None, local_rank=i % P))
+    for i in range(opts.nodes * standbys):
+        specs.append(WorkerSpec(lid=len(specs), node=i // standbys, role=Role.SPARE,
+                                rank=None, local_rank=P + i % standbys, standby=True))
     return specs
 
 

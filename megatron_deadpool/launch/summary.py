@@ -96,7 +96,10 @@ def build_summary(opts, cfg, results_dir, decider, codes, failed, wall_s,
         restarted = {x["lid"] for x in decider.local.records}
         summary["standby_spares_at_end"] = sum(
             1 for p in decider.procs.values() if p.role is Role.SPARE and p.rank is None
-            and p.state != ProcState.DEAD and p.lid not in restarted)
+            and p.state != ProcState.DEAD and p.lid not in restarted and not p.standby)
+        summary["warm_standbys_at_end"] = sum(
+            1 for p in decider.procs.values() if p.standby and p.rank is None
+            and p.state != ProcState.DEAD)
     return summary
 
 
@@ -132,7 +135,9 @@ def _local_restarts(decider, recoveries: List[dict]) -> List[dict]:
         r = by_gen.get(rec["generation"], {})
         out.append({"rank": rec["rank"], "node": rec["node"], "exit_code": rec["exit_code"],
                     "restored_iter": r.get("restored_iter"), "total_s": r.get("total_s"),
-                    "generation": rec["generation"]})
+                    "generation": rec["generation"],
+                    # taken by the node's warm standby (else a process started cold)
+                    "warm": rec.get("warm", False)})
     return out
 
 

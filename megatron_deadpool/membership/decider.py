@@ -238,7 +238,8 @@ class Decider:
     def _pool(self) -> list:
         """Idle spares ``(lid, node)``, in process order."""
         return [(p.lid, p.node) for p in sorted(self.procs.values(), key=lambda q: q.lid)
-                if p.role == Role.SPARE and p.rank is None and p.state == ProcState.ALIVE]
+                if p.role == Role.SPARE and p.rank is None and p.state == ProcState.ALIVE
+                and not p.standby]  # a warm standby serves its own node's crashes only
 
     def _replan(self) -> None:
         if self._restart_in_place():
@@ -247,7 +248,8 @@ class Decider:
         prev = self.plans[-1] if self.drains.active is None else \
             self.drains.cancel(self.plans, self.procs)
         pool = self._pool()
-        reserved = self.local.ready(lid for lid, _ in pool)
+        reserved = self.local.ready(p.lid for p in self.procs.values()
+                                    if p.rank is None and p.state == ProcState.ALIVE)
         try:
             plan = dataclasses.replace(plans.next_plan(
                 prev, self.pending_dead, pool, self._node_of_lid(), t=self.clock(),
@@ -297,10 +299,13 @@ class Decider:
             self.procs[lid].rank = rank
         self._publish(plan)
 
-    def _spawn_spare(self, node: int, replaces: int) -> int:
+    def _spawn_spare(self, node: int, replaces: int, standby: bool = False) -> int:
+        """A process started on ``node``: in a crashed one's slot (``replaces``), or a
+        warm standby in place of the one that took a crashed rank."""
         new = self.new_lid()
-        self.procs[new] = Proc(lid=new, node=node, role=Role.SPARE)
-        self.send_command(node, {"op": CommandOp.SPAWN, "lid": new, "replaces": replaces})
+        self.procs[new] = Proc(lid=new, node=node, role=Role.SPARE, standby=standby)
+        self.send_command(node, {"op": CommandOp.SPAWN, "lid": new, "replaces": replaces,
+                                 **({"standby": True} if standby else {})})
         return new
 
     def _on_spare_agent(self, ev: dict) -> None:

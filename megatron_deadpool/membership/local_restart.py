@@ -1,10 +1,13 @@
 """Local restart: a process that crashed on a healthy node is restarted in its slot instead
 of spending a spare node (spares are for dead nodes).
 
-    node 2 [r4 r5]   r5 crashes (exit -9), node 2's agent and r4 still alive
+    node 2 [r4 r5 | standby]   r5 crashes (exit -9), node 2's agent and r4 still alive
       ─► decider: restart r5 in place (up to --deadpool-max-local-restarts per rank)
-      ─► agent of node 2 spawns a standby process (new lid) in r5's slot
-      ─► it joins ─► next_plan(..., reserved={5: new lid}) ─► it is promoted like a spare
+      ─► warm: node 2's standby (started with the job, imports done, waiting like a spare)
+         is reserved at once ─► next_plan(..., reserved={5: standby}) ─► promoted like a
+         spare; node 2's agent starts a new standby in the background (the refill)
+      ─► cold (no idle standby on the node, --deadpool-local-standby 0): the agent starts a
+         process (new lid) in r5's slot ─► it joins ─► reserved and promoted the same way
 
 A node whose processes all died, or whose agent went silent, is a dead node: spares.
 If the replacement does not come up within the starting-spare wait, the rank takes a spare.
@@ -12,7 +15,7 @@ If the replacement does not come up within the starting-spare wait, the rank tak
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, List, Mapping
+from typing import Callable, Dict, Iterable, List, Mapping, Optional
 
 from ..base.vocabulary import Event
 from .procs import Proc, ProcState
@@ -31,11 +34,13 @@ class LocalRestarts:
         return (node_healthy and live_peers_on_node > 0 and rank not in self.reserved
                 and self.used.get(rank, 0) < self.limit)
 
-    def reserve(self, rank: int, node: int, new_lid: int, replaces: int, exit_code) -> None:
+    def reserve(self, rank: int, node: int, new_lid: int, replaces: int, exit_code,
+                warm: bool = False) -> None:
         self.used[rank] = self.used.get(rank, 0) + 1
         self.reserved[rank] = new_lid
         self.records.append({"rank": rank, "node": node, "exit_code": exit_code,
-                             "lid": new_lid, "replaces": replaces, "generation": None})
+                             "lid": new_lid, "replaces": replaces, "generation": None,
+                             "warm": warm})
 
     def ready(self, alive_lids: Iterable[int]) -> Dict[int, int]:
         alive = set(alive_lids)
@@ -50,20 +55,39 @@ class LocalRestarts:
         self.reserved.clear()
 
     def request(self, dead: Iterable[int], procs: Mapping[int, Proc],
-                node_healthy: Callable[[int], bool], spawn: Callable[[int, int], int],
+                node_healthy: Callable[[int], bool],
+                spawn: Callable[[int, int, bool], int],
                 emit: Callable[..., None], log: Callable[[str], None]) -> bool:
-        """Request in-place replacements for the dead ranks that qualify (``spawn(node,
-        replaces)`` starts one, its lid returned); True while one is still starting."""
+        """Request in-place replacements for the dead ranks that qualify: the node's idle
+        warm standby, refilled by ``spawn(node, replaces, standby=True)``, else a process
+        started cold by ``spawn(node, replaces, False)`` (each returns the new lid); True
+        while a replacement is still starting."""
         for lid in sorted(dead):
             p = procs[lid]
             peers = [q for q in procs.values() if q.node == p.node and q.lid != lid
-                     and q.state in (ProcState.ALIVE, ProcState.DONE)]
+                     and q.state in (ProcState.ALIVE, ProcState.DONE)
+                     and not (q.standby and q.rank is None)]  # an idle standby is no sign
             if not self.eligible(p.rank, node_healthy(p.node), len(peers)):
                 continue
-            new = spawn(p.node, lid)
-            self.reserve(p.rank, p.node, new, lid, p.exit_code)
+            warm = idle_standby(procs, p.node, taken=self.reserved.values())
+            if warm is not None:
+                spawn(p.node, warm, True)  # the refill starts now, off the recovery's path
+                new = warm
+            else:
+                new = spawn(p.node, lid, False)
+            self.reserve(p.rank, p.node, new, lid, p.exit_code, warm=warm is not None)
             emit(Event.LOCAL_RESTART, rank=p.rank, node=p.node, exit_code=p.exit_code,
-                 lid=new, replaces=lid)
+                 lid=new, replaces=lid, warm=warm is not None)
             log(f"rank {p.rank} (process {lid}) crashed on healthy node {p.node}: "
-                f"restarting it in place as process {new}")
+                + (f"its warm standby {new} takes it" if warm is not None
+                   else f"restarting it in place as process {new} (cold)"))
         return any(procs[lid].state == ProcState.STARTING for lid in self.reserved.values())
+
+
+def idle_standby(procs: Mapping[int, Proc], node: int, taken: Iterable[int] = ()) -> Optional[int]:
+    """The lowest lid of ``node``'s live warm standbys that holds no rank and is not
+    reserved (None: none)."""
+    busy = set(taken)
+    lids = [q.lid for q in procs.values() if q.standby and q.node == node and q.rank is None
+            and q.state == ProcState.ALIVE and q.lid not in busy]
+    return min(lids, default=None)

@@ -24,6 +24,7 @@ class Proc:
     role: Role  # how it started: ACTIVE, or SPARE (promoted: it has a rank)
     rank: Optional[int] = None
     state: str = ProcState.STARTING
+    standby: bool = False  # its node's warm standby: taken only by a local restart
     hb_seq: int = -1
     hb_change: float = 0.0
     hb_section: str = Section.STARTUP.value  # the section its last heartbeat named
