@@ -231,41 +231,45 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"wrote {draw(args.events, args.output, args.summary)}")
             return 0
         if args.cmd == "bench":
-            from . import bench
-
-            if args.bench == "gpu":
-                from .bench_gpu import run as gpu
-
-                r = gpu(args.out, args.megatron_lm, args.budget_s, args.dry_run, args.commit,
-                        args.cases.split(",") if args.cases else None, args.device)
-                return 0 if args.dry_run or r["bitwise"] else 1
-            if args.bench == "peers":
-                from .bench_peers import run as peers
-
-                runs = peers(args, rest)["runs"]
-                return 0 if runs and all(r["outcome"] == "done" for r in runs) else 1
-            if args.bench == "overhead":
-                result = bench.overhead(rest, rounds=args.rounds, nodes=args.nodes,
-                                        procs_per_node=args.procs_per_node,
-                                        in_run_iters=args.in_run_iters)
-            elif args.bench == "units":
-                from .bench_units import units
-
-                result = units(rounds=args.rounds, n=args.n)
-            else:
-                from .bench_recovery import recovery
-
-                result = recovery(repeats=args.repeats, hang=not args.no_hang,
-                                  world_sizes=_int_list(args.world_sizes, "--world-sizes"),
-                                  counts=args.counts, light=args.light, extra=rest)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(result, f, indent=2)
-            return 1 if result.get("failed_runs") else 0
+            return _run_bench(args, rest)
     except DeadpoolError as exc:
         print(f"deadpool: error: {exc}", file=sys.stderr, flush=True)
         return 2
     return 2
+
+
+def _run_bench(args, rest: List[str]) -> int:
+    from . import bench
+
+    if args.bench == "gpu":
+        from .bench_gpu import run as gpu
+
+        r = gpu(args.out, args.megatron_lm, args.budget_s, args.dry_run, args.commit,
+                args.cases.split(",") if args.cases else None, args.device)
+        return 0 if args.dry_run or r["bitwise"] else 1
+    if args.bench == "peers":
+        from .bench_peers import run as peers
+
+        runs = peers(args, rest)["runs"]
+        return 0 if runs and all(r["outcome"] == "done" for r in runs) else 1
+    if args.bench == "overhead":
+        result = bench.overhead(rest, rounds=args.rounds, nodes=args.nodes,
+                                procs_per_node=args.procs_per_node,
+                                in_run_iters=args.in_run_iters)
+    elif args.bench == "units":
+        from .bench_units import units
+
+        result = units(rounds=args.rounds, n=args.n)
+    else:
+        from .bench_recovery import recovery
+
+        result = recovery(repeats=args.repeats, hang=not args.no_hang,
+                          world_sizes=_int_list(args.world_sizes, "--world-sizes"),
+                          counts=args.counts, light=args.light, extra=rest)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 1 if result.get("failed_runs") else 0
 
 
 def _int_list(text: str, flag: str) -> List[int]:

@@ -314,16 +314,7 @@ def add_deadpool_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="after a rebuild, prove no old process group is reachable: 'walk' re-walks "
                         "the attached objects (fast), 'full' also scans the whole heap "
                         "(default %(default)s)")
-    g.add_argument("--deadpool-max-local-restarts", type=int, default=d.max_local_restarts,
-                   metavar="N", help="a process that crashes on a healthy node is restarted in "
-                   "its slot, up to N times per rank, instead of spending a spare node; spares "
-                   "are for dead nodes (default %(default)s)")
-    g.add_argument("--deadpool-local-standby", type=int, default=d.local_standby,
-                   metavar="N", help="with --deadpool-max-local-restarts: N pre-started "
-                   "standby processes per active node (imports done, waiting like a spare) "
-                   "take a crashed rank of their node as fast as a spare takes a dead node's; "
-                   "the used one is replaced in the background. 0: the crashed rank's "
-                   "replacement starts cold (default %(default)s)")
+    _add_restart_args(g, d)
     g.add_argument("--deadpool-on-no-spare", choices=values(OnNoSpare), default=d.on_no_spare,
                    help="a failure with no spare left: 'fail' stops the job naming the last "
                    "committed iteration; 'wait' waits for a spare to join (`deadpool launch "
@@ -358,6 +349,20 @@ def add_deadpool_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    "are always counted): the recovery reports carry them (bench recovery)")
     _add_drain_args(g, d)
     return parser
+
+
+def _add_restart_args(g, d: DeadpoolConfig) -> None:
+    """Local restarts: a crashed rank on a healthy node (membership/local_restart.py)."""
+    g.add_argument("--deadpool-max-local-restarts", type=int, default=d.max_local_restarts,
+                   metavar="N", help="a process that crashes on a healthy node is restarted in "
+                   "its slot, up to N times per rank, instead of spending a spare node; spares "
+                   "are for dead nodes (default %(default)s)")
+    g.add_argument("--deadpool-local-standby", type=int, default=d.local_standby,
+                   metavar="N", help="with --deadpool-max-local-restarts: N pre-started "
+                   "standby processes per active node (imports done, waiting like a spare) "
+                   "take a crashed rank of their node as fast as a spare takes a dead node's; "
+                   "the used one is replaced in the background. 0: the crashed rank's "
+                   "replacement starts cold (default %(default)s)")
 
 
 def _add_drain_args(g, d: DeadpoolConfig) -> None:
