@@ -50,6 +50,11 @@ SCENARIOS = [
              flags=("--deadpool-heartbeat-timeout", "3"),
              what="SIGSTOP a rank: heartbeat timeout, fenced"),
     Scenario("sigterm", ("term:rank=3@iter=6",), recoveries=1, what="SIGTERM a rank"),
+    # detected like a hang: the heartbeat timeout (2 s) plus the recovery
+    Scenario("node_power_loss", ("poweroff:node=2@iter=6",), recoveries=1, ci=True,
+             flags=("--deadpool-heartbeat-timeout", "2"),
+             what="a node loses power: its agent and processes die together, no exit is "
+                  "reported; the heartbeats find it, the whole node in one plan"),
     Scenario("bf16_kill", ("kill:node=1@iter=6",), recoveries=1, trajectory=("--bf16",),
              what="SIGKILL a node in a bf16 run (bf16 params, fp32 main params)"),
     Scenario("segfault", ("segv:rank=3@iter=6",), recoveries=1,

@@ -92,3 +92,37 @@ def test_without_a_standby_the_replacement_starts_cold():
     (node, cmd), = [x for x in cmds if x[1]["op"] == "spawn"]
     assert node == 2 and "standby" not in cmd and cmd["replaces"] == 5
     assert d.local.records[0]["warm"] is False
+
+
+def test_the_refilled_standby_takes_the_next_crash_on_its_node():
+    d, c, cmds = _decider()
+    c.push_event("exit", lid=5, code=-9, node=2)
+    d.step()
+    d.step()
+    (_, refill), = [x for x in cmds if x[1]["op"] == "spawn"]
+    c.push_event("join", lid=refill["lid"], nonce="nrefill")
+    d.step()
+    c.push_event("exit", lid=4, code=-9, node=2)
+    d.step()
+    d.step()
+    assert d.gen == 2 and c.get_plan(2).spare_of_rank == {4: refill["lid"]}
+    assert [r["warm"] for r in d.local.records] == [True, True]
+
+
+def test_a_crash_before_the_refill_is_up_waits_for_it_rather_than_start_another():
+    d, c, cmds = _decider()
+    c.push_event("exit", lid=5, code=-9, node=2)
+    d.step()
+    d.step()
+    (_, refill), = [x for x in cmds if x[1]["op"] == "spawn"]
+    c.push_event("exit", lid=4, code=-9, node=2)  # the refill has not joined yet
+    d.step()
+    d.step()
+    assert d.gen == 1  # waits for the refill
+    spawns = [x[1] for x in cmds if x[1]["op"] == "spawn"]
+    assert len(spawns) == 2 and spawns[1]["standby"] and spawns[1]["replaces"] == refill["lid"]
+    c.push_event("join", lid=refill["lid"], nonce="nrefill")
+    d.step()
+    d.step()
+    assert d.gen == 2 and c.get_plan(2).spare_of_rank == {4: refill["lid"]}
+    assert [r["warm"] for r in d.local.records] == [True, False]

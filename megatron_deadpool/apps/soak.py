@@ -56,17 +56,25 @@ def recovery_percentiles(xs) -> dict:
             "p95": round(percentile(xs, 0.95), 3), "max": round(max(xs), 3)}
 
 
+def soak_flags(iters: int) -> List[str]:
+    """The job's trainer flags (the demo's, longer, with local restarts)."""
+    return DEMO_FLAGS + ["--train-iters", str(iters), "--lr-decay-style", "cosine",
+                        "--lr-warmup-iters", "3", "--deadpool",
+                        "--deadpool-heartbeat-timeout", "3",
+                        # a rank's first crash is restarted in its slot; later ones and
+                        # hangs (fenced) take a spare node: both paths are soaked. Two
+                        # warm standbys per node: a used one's refill starts cold (about
+                        # 10 s on 2 cores), and a node's next crash may come sooner
+                        "--deadpool-max-local-restarts", "1",
+                        "--deadpool-local-standby", "2"]
+
+
 def run_soak(failures: int, seed: int, gap: int, summary_json=None, quiet=True) -> dict:
     """``quiet``: the terminal shows iterations, faults and recoveries, not every line."""
     world = NODES * PROCS_PER_NODE
     specs = schedule(failures, seed, gap, world)
     iters = int(specs[-1].split("@iter=")[1].split(",")[0]) + gap if specs else gap
-    flags = DEMO_FLAGS + ["--train-iters", str(iters), "--lr-decay-style", "cosine",
-                          "--lr-warmup-iters", "3", "--deadpool",
-                          "--deadpool-heartbeat-timeout", "3",
-                          # a rank's first crash is restarted in its slot; later ones and
-                          # hangs (fenced) take a spare node: both paths are soaked
-                          "--deadpool-max-local-restarts", "1"]
+    flags = soak_flags(iters)
     work = tempfile.mkdtemp(prefix="deadpool-soak-")
     log = os.path.join(work, "workers.log")
     print(f"[soak] {failures} failures, seed {seed}, {iters} iterations; full worker output: "
@@ -84,12 +92,13 @@ def run_soak(failures: int, seed: int, gap: int, summary_json=None, quiet=True) 
                                       trainer_argv=flags), out=con)
     recs = [r for r in faulted.get("recoveries", []) if not r.get("superseded")]
     table = []
-    local_gens = {x["generation"] for x in faulted.get("local_restarts", [])}
+    local_gens = {x["generation"]: "warm" if x.get("warm") else "cold"
+                  for x in faulted.get("local_restarts", [])}
     for f, r in zip(faulted.get("faults", []), recs):
         table.append({"kind": f["kind"], "rank": f["rank"], "phase": f["phase"],
                       "iteration": f["at_iter"], "recovery_s": r["total_s"],
                       "restored_iter": r["restored_iter"],
-                      "local": r["generation"] in local_gens})
+                      "local": local_gens.get(r["generation"])})
     out = {
         "seed": seed, "failures_requested": failures, "schedule": specs,
         "failures_injected": len(faulted.get("faults", [])),
@@ -108,7 +117,7 @@ def run_soak(failures: int, seed: int, gap: int, summary_json=None, quiet=True) 
     for i, row in enumerate(table, 1):
         print(f"{i:>3} {row['kind']:<5} {row['rank']:>4} {row['phase']:<17} "
               f"{row['iteration']:>5} {row['recovery_s']:>10.3f} "
-              f"{'local restart' if row['local'] else 'spare'}")
+              f"{'local restart, ' + row['local'] if row['local'] else 'spare'}")
     print(json.dumps({k: out[k] for k in ("failures_injected", "bitwise_equal", "recovery_s")}))
     print(f"[soak] recoveries {len(recs)}; bitwise_equal {out['bitwise_equal']}; full worker "
           f"output: {log}", flush=True)

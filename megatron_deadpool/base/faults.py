@@ -2,6 +2,8 @@
 
     kill:node=1@iter=12                  SIGKILL every process of node 1 at iteration 12
     kill:rank=5@iter=7,phase=optimizer   SIGKILL rank 5 during its optimizer step
+    poweroff:node=2@iter=6               node 2's agent and processes die together (no exit
+                                         is reported: its heartbeat finds the loss)
     stop:rank=3@iter=9                   SIGSTOP rank 3 (a hang)
     stop:node=2@iter=4                   SIGSTOP every process of node 2
     stop:rank=3@iter=6,phase=save        SIGSTOP rank 3 in the save after iteration 6
@@ -56,6 +58,7 @@ class Kind(ValueEnum):
     STOP = "stop"
     TERM = "term"
     SEGV = "segv"
+    POWEROFF = "poweroff"
     RAISE = "raise"
     DROP = "drop"
     IMPOSTOR = "impostor"
@@ -73,6 +76,7 @@ class FaultKind:
     name: Kind
     signal: Optional[str] = None  # e.g. "SIGKILL"; None: an action in the rank
     rank_only: bool = False       # targets one rank (kind:rank=N), never a node
+    node_only: bool = False       # targets a node (kind:node=N), never one rank
     claimed: bool = True          # fires once in the job (False: on every rank it targets)
     factor: bool = False          # takes ``factor=F`` (F > 1)
     what: str = ""
@@ -83,6 +87,10 @@ KINDS: Dict[Kind, FaultKind] = {k.name: k for k in (
     FaultKind(Kind.STOP, "SIGSTOP", what="the process hangs"),
     FaultKind(Kind.TERM, "SIGTERM", what="the process is asked to stop"),
     FaultKind(Kind.SEGV, "SIGSEGV", what="the process crashes"),
+    # the node agent and its processes die together, as when a machine loses power: no
+    # exit is reported, the node's heartbeat stops and the decider finds the loss by it
+    FaultKind(Kind.POWEROFF, "SIGKILL", node_only=True,
+              what="the node loses power: its agent and every process die at once"),
     # a local error raised by the rank itself (an exception in its step): the job must fail
     # fast, no recovery
     FaultKind(Kind.RAISE, claimed=False, what="an exception in the rank's step"),
@@ -139,6 +147,9 @@ class Fault:
         if KINDS[self.kind].rank_only and self.node is not None:
             raise ConfigError(f"a '{self.kind}' fault targets one rank "
                               f"({self.kind}:rank=N@iter=N)")
+        if KINDS[self.kind].node_only and self.rank is not None:
+            raise ConfigError(f"a '{self.kind}' fault targets a node "
+                              f"({self.kind}:node=N@iter=N)")
         if self.at_s is not None:
             if KINDS[self.kind].signal is None:
                 raise ConfigError(f"a '{self.kind}' fault runs inside the rank: it needs @iter=N")

@@ -57,6 +57,9 @@ class NodeAgent:
         self._out_lock = threading.Lock()
         self._readers: List[threading.Thread] = []
         self._stopped: List[subprocess.Popen] = []  # workers asked to stop (ask_to_stop)
+        # a simulated power loss (fault kind poweroff): the agent is gone with its workers,
+        # so it reports nothing more, neither exits nor heartbeats, and takes no command
+        self.powered_off = False
 
     def start(self) -> None:
         for w in self.workers:
@@ -87,6 +90,8 @@ class NodeAgent:
 
     def poll(self) -> List[tuple]:
         """Report exits; run commands; heartbeat. Returns newly exited (lid, code)."""
+        if self.powered_off:
+            return []
         exited = []
         for lid, p in self.procs.items():
             if lid in self.exit_codes:
@@ -120,6 +125,13 @@ class NodeAgent:
                 sig = getattr(signal, cmd["signal"])
                 for lid in cmd["lids"]:
                     self.signal(lid, sig)
+                if cmd.get("power_off"):
+                    self.kill_all()
+                    self.powered_off = True
+                    with self._out_lock:
+                        self.out.write(f"[agent n{self.node}] powered off: agent and "
+                                       "processes gone, nothing more is reported\n")
+                    return
             elif cmd["op"] == CommandOp.SPAWN:  # a crashed process restarted in its slot,
                 # or a new warm standby in place of one that took a crashed rank
                 old = next((w for w in self.workers if w.lid == cmd["replaces"]), None)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional
 
-from ..base.faults import SIGNALS, Fault
+from ..base.faults import SIGNALS, Fault, Kind
 from ..membership.decider import Decider, ProcState
 from ..membership.store import CommandOp
 
@@ -58,7 +58,9 @@ class FaultDriver:
             for node in sorted({p.node for p in victims}):  # each node's processes at once
                 lids = [p.lid for p in victims if p.node == node]
                 self.send_command(node, {"op": CommandOp.SIGNAL, "signal": SIGNALS[f.kind],
-                                         "lids": lids})
+                                         "lids": lids,
+                                         **({"power_off": True} if f.kind == Kind.POWEROFF
+                                            else {})})
         rec = {"kind": f.kind, "node": f.node, "rank": f.rank,
                "ranks": sorted(p.rank for p in victims if p.rank is not None),
                "at_iter": at_iter, "phase": phase, "t": t}

@@ -69,25 +69,33 @@ class LocalRestarts:
                      and not (q.standby and q.rank is None)]  # an idle standby is no sign
             if not self.eligible(p.rank, node_healthy(p.node), len(peers)):
                 continue
-            warm = idle_standby(procs, p.node, taken=self.reserved.values())
-            if warm is not None:
-                spawn(p.node, warm, True)  # the refill starts now, off the recovery's path
-                new = warm
+            standby = node_standby(procs, p.node, taken=self.reserved.values())
+            if standby is not None:
+                spawn(p.node, standby, True)  # the refill starts now, off the recovery's path
+                new = standby
             else:
                 new = spawn(p.node, lid, False)
-            self.reserve(p.rank, p.node, new, lid, p.exit_code, warm=warm is not None)
+            warm = standby is not None and procs[standby].state == ProcState.ALIVE
+            self.reserve(p.rank, p.node, new, lid, p.exit_code, warm=warm)
             emit(Event.LOCAL_RESTART, rank=p.rank, node=p.node, exit_code=p.exit_code,
-                 lid=new, replaces=lid, warm=warm is not None)
+                 lid=new, replaces=lid, warm=warm)
             log(f"rank {p.rank} (process {lid}) crashed on healthy node {p.node}: "
-                + (f"its warm standby {new} takes it" if warm is not None
-                   else f"restarting it in place as process {new} (cold)"))
+                + (f"its warm standby {new} takes it" if warm else
+                   f"its standby {new}, still starting, takes it" if standby is not None
+                   else f"restarting it in place as process {new} (cold: no standby)"))
         return any(procs[lid].state == ProcState.STARTING for lid in self.reserved.values())
 
 
-def idle_standby(procs: Mapping[int, Proc], node: int, taken: Iterable[int] = ()) -> Optional[int]:
-    """The lowest lid of ``node``'s live warm standbys that holds no rank and is not
-    reserved (None: none)."""
+def node_standby(procs: Mapping[int, Proc], node: int, taken: Iterable[int] = ()
+                 ) -> Optional[int]:
+    """``node``'s standby for a crashed rank, holding no rank and not reserved: an idle one
+    (the lowest lid), else one still starting (a refill: further along than a process
+    started now); None: none."""
     busy = set(taken)
-    lids = [q.lid for q in procs.values() if q.standby and q.node == node and q.rank is None
-            and q.state == ProcState.ALIVE and q.lid not in busy]
-    return min(lids, default=None)
+    free = [q for q in procs.values() if q.standby and q.node == node and q.rank is None
+            and q.lid not in busy]
+    for state in (ProcState.ALIVE, ProcState.STARTING):
+        lids = [q.lid for q in free if q.state == state]
+        if lids:
+            return min(lids)
+    return None

@@ -149,6 +149,17 @@ class AgentClock:
         last = self._grew.get(node)
         return last is not None and now - last[1] <= self.timeout_s
 
+    def silent_since(self, node: int) -> Optional[float]:
+        """When ``node``'s counter last grew (None: never seen)."""
+        last = self._grew.get(node)
+        return None if last is None else last[1]
+
+
+# An agent beats every 0.25 s (launch/agent.py): silent this long while one of its processes
+# is found hung, the node itself is taken to be gone (all its processes in one plan), not
+# that process alone (a fence, and a second plan for the rest a moment later)
+AGENT_SILENT_S = 1.0
+
 
 def scan(coord, procs: Dict[int, Proc], agents: "AgentClock", now: float, cfg, gen: int,
          plan_t: float, log) -> List[Tuple[Proc, str, float, bool]]:
@@ -174,6 +185,15 @@ def scan(coord, procs: Dict[int, Proc], agents: "AgentClock", now: float, cfg, g
     excuse_waiters(live, now, cfg)  # a silent member is judged, not its waiters
     for p in live:
         verdict = hung(p, now, cfg, gen, plan_t)
-        if p.lid not in lost and verdict is not None:
+        if p.lid in lost or verdict is None:
+            continue
+        since = agents.silent_since(p.node)
+        if since is not None and now - since > min(AGENT_SILENT_S, agents.timeout_s / 2):
+            gone = [q for q in procs.values() if q.node == p.node and q.lid not in lost
+                    and q.state in (ProcState.ALIVE, ProcState.STARTING)]
+            out += [(q, f"node {p.node} gone: {verdict[0]}, and its agent silent for "
+                        f"{now - since:.1f}s", verdict[1], False) for q in gone]
+            lost.update(q.lid for q in gone)
+        else:
             out.append((p, *verdict, True))
     return out

@@ -1,0 +1,66 @@
+"""A whole-node loss, as when a machine loses power: the node agent and its processes die
+together, no exit is reported, and the heartbeats find it. The decider takes the whole node
+in one plan even when one of its processes' heartbeats goes stale before the agent's does
+(membership/procs.py ``scan``); the fault kind ``poweroff`` simulates it (base/faults.py,
+launch/agent.py). The job itself is the fault matrix's ``node_power_loss`` cell."""
+
+import pytest
+import torch.distributed as dist
+
+from megatron_deadpool.base.config import DeciderConfig
+from megatron_deadpool.base.errors import ConfigError
+from megatron_deadpool.base.faults import parse_fault
+from megatron_deadpool.membership import store as st
+from megatron_deadpool.membership.decider import Decider, Proc
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def _decider():
+    procs = {r: Proc(lid=r, node=r // 2, role="active", rank=r) for r in range(8)}
+    procs.update({8: Proc(lid=8, node=4, role="spare"), 9: Proc(lid=9, node=4, role="spare")})
+    store, cmds, clock = dist.HashStore(), [], Clock()
+    d = Decider(store=store, procs=procs, world_size=8, token="secret",
+                send_command=lambda node, cmd: cmds.append((node, cmd)),
+                config=DeciderConfig(heartbeat_timeout_s=2.0, heartbeat_interval_s=0.1,
+                                     grace_s=0.0), log=lambda m: None, clock=clock)
+    d.publish_initial_plan()
+    return d, st.Coordinator(store, "secret"), cmds, clock
+
+
+def test_a_silent_node_is_lost_whole_when_one_process_goes_stale_first():
+    """Node 1's agent last beat 0.5 s after its process 3 did: when process 3's heartbeat
+    is stale, the agent has been silent 1.6 s, short of its own timeout. Both ranks of the
+    node go in one plan, with no fence (nobody is there to carry it out)."""
+    d, c, cmds, clock = _decider()
+    for lid in range(10):
+        c.push_event("join", lid=lid, nonce=f"n{lid}")
+    seq = 0
+    for step in range(22):  # 2.1 s in steps of 0.1 s
+        seq += 1
+        for lid in range(10):
+            if not (lid in (2, 3) and step > 0):
+                c.beat(lid, seq=seq, iteration=1, state="ACTIVE", committed=0, gen=0)
+        for node in range(5):
+            if node != 1 or step <= 5:
+                c.agent_beat(node, seq)
+        d.step()
+        clock.t += 0.1
+    d.step()
+    assert d.gen == 1
+    plan = c.get_plan(1)
+    assert plan.failed_ranks == (2, 3) and plan.spare_of_rank == {2: 8, 3: 9}
+    assert not [x for x in cmds if x[1].get("signal") == "SIGKILL"]
+
+
+def test_poweroff_targets_a_node_only():
+    f = parse_fault("poweroff:node=2@iter=6", 0)
+    assert f.node == 2 and f.kind == "poweroff"
+    with pytest.raises(ConfigError, match="targets a node"):
+        parse_fault("poweroff:rank=3@iter=6", 0)
