@@ -273,10 +273,11 @@ def test_no_spare_left_saves_what_survivors_hold_then_resumes_bitwise(tmp_path, 
     assert resumed["completed_iters"] == 12 - saved["iteration"]
 
 
-def test_megatron_lm_refuses_resume_until_it_is_tested_there():
+def test_megatron_lm_accepts_the_fallback_and_the_resume():
+    """Megatron-LM's script takes both (test_megatron_lm_train.py runs them through a
+    stop and a resume)."""
     from megatron_deadpool.adapters.lm_rules import unsupported_args
 
-    args = argparse.Namespace(use_distributed_optimizer=True, deadpool_resume="d")
-    assert any("--deadpool-resume" in r for r in unsupported_args(args))
-    args.deadpool_resume = None
-    assert not any("--deadpool-resume" in r for r in unsupported_args(args))
+    args = argparse.Namespace(use_distributed_optimizer=True, deadpool_resume="d",
+                              deadpool_fallback_save="d")
+    assert not any("--deadpool" in r for r in unsupported_args(args))

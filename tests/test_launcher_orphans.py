@@ -11,6 +11,11 @@ launcher's group never reaches them by itself.
 - A second signal kills every worker's group at once.
 - SIGKILL of the launcher (alone, or its whole process group): each worker sees its parent
   gone (``worker_env.exit_with_launcher``) and kills its own group.
+- SIGKILL of the launcher right after it started its workers, before they could look at
+  their parent (interpreter start and imports, about 0.4 s): each worker was told its
+  launcher's pid at its start (``DEADPOOL_LAUNCHER_PID``), finds another parent, and kills
+  its own group at once (it used to take the new parent for its launcher and watch it
+  forever).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _start(tmp_path, stubborn: bool):
+def _spawn_launcher(tmp_path, stubborn: bool, **env_extra):
     script = tmp_path / "stuck.py"
     script.write_text(SCRIPT)
     # the child wrapper hooks Megatron-LM's training module: the script's folder has a stand-in
@@ -53,11 +58,16 @@ def _start(tmp_path, stubborn: bool):
         "def setup_model_and_optimizer(*a, **k):\n    raise NotImplementedError\n")
     pids = tmp_path / "pids"
     pids.mkdir()
-    env = dict(os.environ, PIDS_DIR=str(pids), STUBBORN="1" if stubborn else "")
-    launcher = subprocess.Popen(
+    env = dict(os.environ, PIDS_DIR=str(pids), STUBBORN="1" if stubborn else "", **env_extra)
+    return subprocess.Popen(
         [sys.executable, "-m", "megatron_deadpool.apps.cli", "launch", "--nodes", "2",
          "--procs-per-node", "2", "--script", str(script)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _start(tmp_path, stubborn: bool):
+    launcher = _spawn_launcher(tmp_path, stubborn)
+    pids = tmp_path / "pids"
     deadline = time.monotonic() + 120
     while len(list(pids.iterdir())) < WORKERS:
         assert launcher.poll() is None, launcher.stdout.read().decode()
@@ -124,3 +134,51 @@ def test_a_launcher_killed_outright_leaves_no_orphans(tmp_path, group):
         os.kill(launcher.pid, signal.SIGKILL)
     _seconds_until_gone(procs, 5)
     _end(launcher)
+
+
+MARK = "DEADPOOL_TEST_ORPHAN_MARK"
+
+
+def _marked(mark: str, workers_only: bool = False):
+    """The live processes whose environment carries ``MARK=mark`` (what the launcher
+    started inherits it: its workers and their children; a zombie shows none)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if f"{MARK}={mark}".encode() in env and (
+                not workers_only or any(v.startswith(b"DEADPOOL_LID=") for v in env)):
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.parametrize("after", ["launcher-start", "first-worker", "first-worker+0.1s"])
+def test_a_launcher_killed_as_it_starts_leaves_no_process_behind(tmp_path, after):
+    """SIGKILL 0.1 s after the launcher starts, the moment its first worker exists, and
+    0.1 s after that (inside the worker's interpreter start and imports, before it could
+    look at its parent): a few seconds later no process it started is left."""
+    mark = f"{os.getpid()}-{time.monotonic_ns()}"
+    launcher = _spawn_launcher(tmp_path, stubborn=True, **{MARK: mark})
+    deadline = time.monotonic() + 120
+    if after != "launcher-start":
+        while not _marked(mark, workers_only=True):
+            assert launcher.poll() is None, launcher.stdout.read().decode()
+            assert time.monotonic() < deadline, "no worker started"
+            time.sleep(0.005)
+    time.sleep(0.1 if after != "first-worker" else 0.0)
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait(timeout=30)
+    launcher.stdout.close()
+    t0 = time.monotonic()
+    while (left := [p for p in _marked(mark) if p != launcher.pid]) and \
+            time.monotonic() - t0 < 5:
+        time.sleep(0.1)
+    for p in left:  # leave nothing behind for the next test, then fail
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"{len(left)} process(es) outlived a launcher SIGKILLed at {after}: {left}"

@@ -141,8 +141,6 @@ def test_supported_config_passes():
     (dict(use_torch_fsdp2=True), "--use-torch-fsdp2"),
     (dict(dataloader_type="external"), "--dataloader-type external"),
     (dict(use_precision_aware_optimizer=True), "--use-precision-aware-optimizer"),
-    (dict(deadpool_resume="d"), "--deadpool-resume"),
-    (dict(deadpool_fallback_save="d"), "--deadpool-fallback-save"),
     (dict(full_validation=True), "--full-validation"),
     (dict(step_batch_size_schedule="1:8"), "--step-batch-size-schedule"),
     (dict(exit_signal_handler_for_training=True), "--exit-signal-handler-for-training"),
@@ -183,10 +181,9 @@ def test_unsupported_argv_matches_the_parsed_rules():
     assert lm_rules.unsupported_argv(["--use-distributed-optimizer",
                                       "--use-precision-aware-optimizer"]) == [
         lm_rules.unsupported_args(_args(use_precision_aware_optimizer=True))[0]]
-    # the fallback save is refused at launch with its resume: never one without the other
-    both = lm_rules.unsupported_argv(["--use-distributed-optimizer", "--deadpool-resume=d",
-                                      "--deadpool-fallback-save", "d"])
-    assert len(both) == 2 and "--deadpool-resume" in both[0] and "--save/--load" in both[1]
+    # the fallback save and its resume are accepted (tested through a stop and a resume)
+    assert lm_rules.unsupported_argv(["--use-distributed-optimizer", "--deadpool-resume=d",
+                                      "--deadpool-fallback-save", "d"]) == []
 
 
 def test_launch_refuses_before_any_worker_starts(mlm_tree, tmp_path):

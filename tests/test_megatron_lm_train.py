@@ -118,3 +118,28 @@ def test_a_swap_in_the_patched_script_ends_where_the_unpatched_script_does(run, 
             inject=["kill:node=1@iter=7"])
     assert len(s["recoveries"]) == 1 and s["faults"][0]["ranks"] == [2, 3]
     assert s["final_state_sha256"] == unpatched["final_state_sha256"]
+
+
+@pytest.mark.parametrize("tag", ON_NEWEST_IN_CI)
+def test_last_resort_fallback_then_resume_is_bitwise(run, tag, tmp_path_factory):
+    """No spare: node 1 killed at 6 stops the job, and first the survivors write the newest
+    state memory holds (node 1's shards from their buddies' copies) to
+    --deadpool-fallback-save; a new job with --deadpool-resume ends where the uninterrupted
+    run does (CI compares with the unpatched script's, equal to the patched one's with the
+    mirror on: test_mirror_off_patched_matches_unpatched), the iteration in flight redone."""
+    ref = run(tag, "unpatched", "unpatched", FLAGS)
+    trees = _trees(tmp_path_factory, tag)
+    d = tmp_path_factory.mktemp("fallback")
+    script = ["--device", "cpu", "--script", str(trees["patched"] / "pretrain_gpt.py")]
+    p, stopped = launch(d, FLAGS + ["--deadpool", "--deadpool-fallback-save", str(d / "fb")],
+                        spares=0, inject=["kill:node=1@iter=6"], name="stopped",
+                        python=python_for(tag), extra_launch=script)
+    assert p.returncode != 0 and "no spare left" in stopped["error"], stopped
+    saved = stopped["fallback_save"]
+    assert saved["iteration"] in (4, 5), saved  # the newest every rank's copy holds
+    p, resumed = launch(d, FLAGS + ["--deadpool", "--deadpool-resume", str(d / "fb")],
+                        spares=1, name="resumed", python=python_for(tag), extra_launch=script)
+    assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
+    assert resumed["completed_iters"] == 12 - saved["iteration"]
+    assert saved["iteration"] >= 6 - 2  # at most the iteration in flight and one more redone
+    assert resumed["final_state_sha256"] == ref["final_state_sha256"]

@@ -31,7 +31,7 @@ LAYERS = [
                 "threads", "d2h", "cost", "meter", "flat", "commit", "held", "jobs", "mirror",
                 "persist", "handoff"]),
     ("adapters", ["support", "shard", "extra_state", "train_state", "cpu_standins", "cpu_mode",
-                  "lm_rules", "checkpoints", "quiet", "iterators", "ddp", "training_globals",
+                  "lm_rules", "checkpoints", "exact_resume", "quiet", "iterators", "ddp", "training_globals",
                   "tags", "evaluation", "async_saves", "cadence", "groups"]),
     ("recovery", ["phases", "classify", "abort", "reaper", "rebind", "restore", "shared_groups",
                   "stall", "world", "gloo_waits", "fault_points", "formation", "alarms",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 # What save_checkpoint / load_checkpoint cache in the context: each may hold a group.
 CACHED_STRATEGIES = ("save_strategy", "load_strategy")
@@ -29,9 +29,11 @@ class CheckpointContexts:
     def __init__(self) -> None:
         self._contexts: List[dict] = []
 
-    def wrap(self, training_module) -> None:
+    def wrap(self, training_module,
+             after_save: Optional[Callable[[int], None]] = None) -> None:
         """Replace ``training_module.save_checkpoint`` (the name ``train()`` calls) by a
-        wrapper that records the ``checkpointing_context`` it is given. Idempotent."""
+        wrapper that records the ``checkpointing_context`` it is given, and calls
+        ``after_save(iteration)`` once the save call returns. Idempotent."""
         orig: Callable = training_module.save_checkpoint
         if getattr(orig, "_deadpool_contexts", None) is self:
             return
@@ -39,10 +41,14 @@ class CheckpointContexts:
 
         @functools.wraps(orig)
         def save_checkpoint(*args, **kwargs):
-            ctx = sig.bind_partial(*args, **kwargs).arguments.get("checkpointing_context")
+            bound = sig.bind_partial(*args, **kwargs).arguments
+            ctx = bound.get("checkpointing_context")
             if isinstance(ctx, dict) and not any(c is ctx for c in self._contexts):
                 self._contexts.append(ctx)
-            return orig(*args, **kwargs)
+            out = orig(*args, **kwargs)
+            if after_save is not None:
+                after_save(bound["iteration"])
+            return out
 
         save_checkpoint._deadpool_contexts = self
         training_module.save_checkpoint = save_checkpoint

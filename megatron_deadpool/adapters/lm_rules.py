@@ -42,12 +42,6 @@ def unsupported_args(args) -> List[str]:
         (g("dataloader_type") == "external", "--dataloader-type external (DeadPool rebuilds "
          "iterators from consumed samples)"),
         (g("yaml_cfg") is not None, "--yaml-cfg"),
-        (g("deadpool_resume") is not None, "--deadpool-resume (a resume from a fallback "
-         "save is implemented and tested with the reference trainer only; use Megatron-LM's "
-         "--load here)"),
-        (g("deadpool_fallback_save") is not None, "--deadpool-fallback-save (its files "
-         "resume only through --deadpool-resume, which Megatron-LM's script refuses; use "
-         "Megatron-LM's own --save/--load, which work across a hot swap)"),
         (g("fake_process_group"), "--fake-process-group"),
         (g("multiple_validation_sets"), "--multiple-validation-sets"),
         (g("tp_comm_overlap"), "--tp-comm-overlap (userbuffers communicators cannot be "
@@ -89,8 +83,6 @@ def unsupported_argv(argv: List[str]) -> List[str]:
     p.add_argument("--use-nccl-ub", action="store_true", dest="nccl_ub")
     for flag in ("--context-parallel-size", "--num-distributed-optimizer-instances"):
         p.add_argument(flag, type=int, default=1)
-    for flag in ("--deadpool-resume", "--deadpool-fallback-save"):
-        p.add_argument(flag, default=None)
     p.add_argument("--fp8-format", dest="fp8", default=None)
     for flag in ("--non-persistent-ckpt-type", "--dataloader-type", "--yaml-cfg",
                  "--cuda-graph-impl", "--step-batch-size-schedule", "--async-strategy"):

@@ -38,6 +38,7 @@ from ..base.config import DeadpoolConfig, add_deadpool_args
 from ..base.errors import ConfigError, UnsupportedConfigError
 from ..adapters.quiet import CollectiveSuppressor
 from ..adapters import async_saves, cadence, ddp, tags, training_globals
+from ..adapters import exact_resume
 from ..adapters.checkpoints import CheckpointContexts
 from ..adapters.evaluation import Evaluations
 from ..adapters.iterators import PretrainIterators
@@ -171,6 +172,8 @@ class Joined(Session):
         self.train_args: Optional[dict] = None  # what pretrain() gave train() (_wrap_train)
         self.start_iteration: Optional[int] = None  # the first one train() ran here
         self.held_param_sync: Any = None  # ddp.realign_forward_pre_hooks: after the redo
+        self._rng_pending = False  # restored at attach: the RNG is applied again at the start
+        self._loaded_rng: Optional[dict] = None  # --load's RNG, applied again at the start
 
     @property
     def joined(self) -> bool:
@@ -199,14 +202,20 @@ class Joined(Session):
         self.state = MegatronTrainState(self.args)
         import megatron.training.training as training_module
 
-        self.adapters.checkpoints.wrap(training_module)
+        self.adapters.checkpoints.wrap(training_module, after_save=self._save_rng)
         self.adapters.iterators.wrap(training_module)
         self._wrap_train(training_module)
         self.handle.attach(model=model, optimizer=optimizer, scheduler=scheduler,
                            train_state=self.state)
-        if self.handle.promoted:
+        # restored here: a promoted spare, or every rank of --deadpool-resume
+        self._rng_pending = self.handle.restored_meta is not None
+        if not self._rng_pending and getattr(self.args, "load", None) and self.args.iteration:
+            self._loaded_rng = exact_resume.load(self.args.load, self.args.iteration,
+                                                 self.handle.rank, self.handle.world_size)
+        if self._rng_pending:
             self.adapters.iterators.restored()  # pretrain() builds them next, as restored
             self._arm_redos()
+        if self.handle.promoted:
             self.quiet = CollectiveSuppressor()
             self.quiet.start()
 
@@ -268,7 +277,13 @@ class Joined(Session):
         if self.quiet is not None:
             self.quiet.stop()
             self.quiet = None
+        if self._rng_pending:  # building the data iterators drew from the restored RNG
+            self._rng_pending = False
             self._reapply_rng()
+        if self._loaded_rng is not None:  # the same after Megatron-LM's own --load
+            from ..adapters.train_state import apply_rng
+            apply_rng(self._loaded_rng)
+            self._loaded_rng = None
         self.adapters.evaluations.run_if_due(training, iteration, self.adapters.iterators.valid(),
                                              self.train_args, self.tag.eval_kwargs)
         self.adapters.saves.run_if_due(training, self.args, iteration, self.state.flops,
@@ -298,6 +313,14 @@ class Joined(Session):
 
         train._deadpool_session = self
         training_module.train = train
+
+    def _save_rng(self, iteration: int) -> None:
+        """Beside each ``--save``: this rank's RNG states (adapters/exact_resume.py)."""
+        from ..adapters import cpu_mode
+
+        if getattr(self.args, "save", None):
+            exact_resume.save(self.args.save, iteration, self.handle.rank,
+                              self.handle.world_size, with_cuda=not cpu_mode.is_enabled())
 
     def _reapply_rng(self) -> None:
         if self.handle.restored_meta is not None:

@@ -17,17 +17,25 @@ i. Anyone who can reach the store can also move the counter without the secret:
   just after it is never skipped with it; a run longer than ``JUMP_SCAN`` is ended from the
   counter's top, where the genuine writers that came after the jump wrote;
 - count back: later genuine writers would reuse indices the reader has passed, so the
-  reader moves the counter forward again at once (a record written in between, over an old
-  one, is lost: the heartbeats still see what it said of a dead process).
+  reader moves the counter forward again at once. A writer never writes over a record: it
+  writes only into an empty slot (``compare_set``), and one whose slot is taken moves past
+  the taken run (``append``, found in a few looks however long the run). A hole the reader
+  skipped is **closed** (a marker written into it, ``CLOSED``), so a writer that lands on
+  it after a count moved back, or that took longer than the grace between its ``add`` and
+  its ``set``, finds it taken and moves past it, instead of writing behind the reader
+  where its record was never read. A jump longer than ``JUMP_SCAN`` is closed only at its
+  top (``JUMP_RUN`` indices): docs/threat-model.md says what is left open.
 
 Each skip is one entry, so the reader logs it once. The values themselves are checked by
-``auth.open_`` (any bytes: an AuthError, never a crash).
+``auth.open_`` (any bytes: an AuthError, never a crash). No reader waits on a key: a record
+deleted between a reader's look and its read is read as missing (``get_now``).
 
 **Owned slots** (``OwnedSlots``): a record with one writer that others poll (the decider's
 generation pointer, its newest plan, a failure declaration, the shutdown flag) is lost if a
 forger overwrites it after the readers' last look. The writer keeps what it wrote and puts
 back any that changed (``heal``, on the decider's heartbeat cadence), so an overwrite
-delays a reader by one cadence at most.
+delays a reader by one cadence at most. A record deleted is a changed one: it is put back
+the same way, without a read that would wait for it.
 """
 
 from __future__ import annotations
@@ -40,6 +48,9 @@ HOLE_GRACE_S = 2.0
 FORWARD_SCAN = 256   # indices after a run of missing ones timed with it
 JUMP_SCAN = 4096     # a run of missing indices longer than this is ended from the counter's top
 JUMP_RUN = 64        # ... at the first run this long found down from there
+CLOSED = "\x00deadpool-closed"   # written into a skipped hole: no writer lands there later
+_ABSENT = "\x00deadpool-absent"  # what get_now's compare_set answers for a missing key
+REACH = 1 << 48      # how far past its slot a writer looks for a free one
 
 Entry = Tuple[int, Optional[bytes], str]  # (index, record or None for a skip, why skipped)
 
@@ -64,20 +75,33 @@ class CountedQueue:
         out: List[Entry] = []
         i = start + 1
         while i <= n:
-            key = self.key_of(i)
-            if self.raw.check([key]):
+            raw = get_now(self.raw, self.key_of(i))
+            if raw is not None:
                 self._hole_since.pop(i, None)
-                out.append((i, self.raw.get(key), ""))
+                out.append((i, raw, ""))
                 i += 1
                 continue
             end = self._aged_stretch(i, n)
             if end < i:
                 break  # most likely a writer between its add and its set: next time
+            end = self._close(i, end)
+            if end < i:
+                continue  # written since it was looked at: read next
             for j in [j for j in self._hole_since if j <= end]:
                 del self._hole_since[j]
             out.append((end, None, f"indices {i}..{end} counted but never written"))
             i = end + 1
         return out
+
+    def _close(self, i: int, end: int) -> int:
+        """Close the skipped stretch ``i..end`` (all of it, or a long jump's top
+        ``JUMP_RUN`` indices), so that no writer lands in it later; the skip's end: before
+        the first slot that was written since it was looked at (read next, not skipped)."""
+        low = i if end - i < JUMP_SCAN else end - JUMP_RUN + 1
+        for j in range(low, end + 1):
+            if self.raw.compare_set(self.key_of(j), "", CLOSED) != CLOSED.encode():
+                return j - 1
+        return end
 
     def _aged_stretch(self, i: int, n: int) -> int:
         """The last index of the stretch of unwritten indices from ``i`` on that have all
@@ -147,12 +171,20 @@ class OwnedSlots:
         self.raw.set(key, value)
 
     def heal(self) -> List[str]:
-        """Put back every owned record that was changed; the keys put back."""
+        """Put back every owned record that was changed or deleted; the keys put back.
+        Never waits for a key: a deleted one was read with ``multi_get``, which held the
+        decider for the store's timeout and raised."""
         keys = list(self._mine)
-        healed = [key for key, now in zip(keys, self.raw.multi_get(keys))
-                  if now != self._mine[key].encode()] if keys else []
-        for key in healed:
-            self.raw.set(key, self._mine[key])
+        whole = not keys or self.raw.check(keys)  # one look: is every owned key there?
+        missing = set() if whole else {key for key in keys if not self.raw.check([key])}
+        healed = []
+        for key in keys:
+            mine = self._mine[key]
+            now = self.raw.compare_set(key, "", mine)  # a missing one is put back here
+            if now != mine.encode():
+                self.raw.set(key, mine)
+            if key in missing or now != mine.encode():
+                healed.append(key)
         return healed
 
 
@@ -165,16 +197,46 @@ def peek(raw: Optional[bytes]) -> dict:
         return {}
 
 
+def get_now(raw, key: str) -> Optional[bytes]:
+    """The value of ``key``, or None if it is missing, without waiting for it (a store
+    ``get`` waits for a missing key up to the store's timeout, then raises: a key deleted
+    between a reader's ``check`` and its ``get`` held the reader and crashed it). A
+    ``compare_set`` with an expected value that is never written answers a missing key
+    with that value, and sets nothing."""
+    got = raw.compare_set(key, _ABSENT, _ABSENT)
+    if got == _ABSENT.encode() and not raw.check([key]):
+        return None
+    return got
+
+
 def append(raw, counter_key: str, key_of: Callable[[int], str],
-           value_of: Callable[[int], str], tries: int = 64) -> int:
+           value_of: Callable[[int], str], rounds: int = 16) -> int:
     """Write a counted queue's next record without overwriting one: the index comes from
-    the counter, and the record lands only in an empty slot (``compare_set``), so a counter
-    moved back makes the writer take the next index, never write over a genuine record.
-    Returns the index."""
-    for _ in range(tries):
-        i = raw.add(counter_key, 1)
+    the counter, and the record lands only in an empty slot (``compare_set``). A writer
+    whose slot is taken (a counter moved back over records, or over holes the reader
+    closed) moves past the taken run (``_free_after``) and moves the counter there. Never
+    raises for a forger's doing: returns the index, or -1 if every slot it reached in
+    ``rounds`` tries was taken (the record is not written)."""
+    i = raw.add(counter_key, 1)
+    for _ in range(rounds):
         value = value_of(i)
         if raw.compare_set(key_of(i), "", value) == value.encode():
             return i
-    raise RuntimeError(f"{counter_key}: no free slot in {tries} tries (a forger moves the "
-                       "counter back)")
+        free = _free_after(raw, key_of, i)
+        top = raw.add(counter_key, 0)
+        i = raw.add(counter_key, free - top if top < free else 1)
+    return -1
+
+
+def _free_after(raw, key_of: Callable[[int], str], i: int) -> int:
+    """An empty slot past the taken slot ``i``: the first one after the run of taken slots
+    from ``i``, found by doubling steps and then halving them, in about 2*log2(run) looks
+    (a run of a million forged records: some 40)."""
+    step = 1
+    while step < REACH and raw.check([key_of(i + step)]):
+        step *= 2
+    low, high = i + step // 2, i + step  # low taken (or i itself), high empty
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if raw.check([key_of(mid)]) else (low, mid)
+    return high
