@@ -289,3 +289,51 @@ def test_single_records_deleted_between_look_and_read_never_block_their_readers(
     # each one gone (what a deleted record reads as) or, read in one look, the genuine one
     assert got[0] in (0, 1) and got[1] in (False, True) and got[2] in (None, "done")
     assert got[3] in (None, 1) and got[4] in (None, {"x": 1, "gen": 1, "rank": 0})
+
+
+# ------------------------------------------------------------------ all of them at once
+
+def test_the_decider_keeps_going_under_every_planted_forgery_at_once(monkeypatch):
+    """600 steps of the decider while a forger plants all of the above at random (joins
+    with nonces no key can be made of, counters moved back over its records and holes,
+    jumps, owned records deleted), and genuine processes join, report and exit through
+    the same queue: no step raises or waits, every genuine event is acted on, and every
+    owned record is there at the end."""
+    import random
+    from types import SimpleNamespace
+
+    clock = Clock(1000.0)
+    monkeypatch.setattr(records, "time", SimpleNamespace(monotonic=clock))
+    store, rng = _store(), random.Random(49)
+    d = _decider(store, clock)
+    genuine = st.Coordinator(store, SECRET)
+    nonces = {}
+    for n in range(600):
+        clock.t += 0.25  # holes age while the forger works
+        which = rng.randrange(5)
+        if which == 0:
+            i = store.add(st.k("events", "n"), 1)
+            store.compare_set(st.k("events", i), "", json.dumps({"body": {
+                "kind": "join", "lid": rng.randrange(3),
+                "nonce": rng.choice(BAD_NONCES[:7])}, "mac": "0" * 64}))
+        elif which == 1:  # records, then the counter moved back over them
+            for _ in range(taken := rng.choice([1, 5, 100])):
+                _forge_event(store, {"kind": "exit", "lid": 0, "code": -9})
+            store.add(st.k("events", "n"), -taken - rng.choice([0, 2]))
+        elif which == 2:
+            store.add(st.k("events", "n"), rng.choice([1, 3, 1000, 10 ** 6]))
+        elif which == 3:
+            store.delete_key(rng.choice([st.k("latest"), st.k("plan", 0)]))
+        if n in (100, 300):  # the genuine processes join, once each
+            lid = 0 if n == 100 else 1
+            nonces[lid] = secrets.token_hex(8)
+            genuine.push_event(EventKind.JOIN, lid=lid, nonce=nonces[lid])
+        d.step()
+    genuine.push_event(EventKind.EXIT, lid=1, code=-9, node=1)
+    for _ in range(3):
+        clock.t += records.HOLE_GRACE_S
+        d.step()
+    assert _admitted(store, 0, nonces[0]) and _admitted(store, 1, nonces[1])
+    assert d.procs[0].state == "alive" and d.procs[1].state == "dead", d.procs
+    assert d.forged > 100
+    assert store.check([st.k("latest"), st.k("plan", 0)])

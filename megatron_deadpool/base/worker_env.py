@@ -27,6 +27,10 @@ _NAMES = {"lid": "DEADPOOL_LID", "node": "DEADPOOL_NODE", "role": "DEADPOOL_ROLE
 # the launcher side is ``launch/progress.py``).
 PROGRESS_PREFIX = "[deadpool progress] "
 
+# The pid of the process that started a worker (its node's launcher), written into the
+# worker's environment before the fork (``launch/agent.py``): ``exit_with_launcher``.
+LAUNCHER_PID = "DEADPOOL_LAUNCHER_PID"
+
 
 @dataclass(frozen=True)
 class WorkerEnv:
@@ -121,20 +125,46 @@ def dump_stacks_on_crash() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
 
 
+def _gone(pid: int) -> bool:
+    """``pid`` is no running process (a zombie is gone: it only waits to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+
+
 def exit_with_launcher(poll_s: float = 0.25) -> None:
     """Worker entry points under ``deadpool launch`` (``DEADPOOL_LID`` set): a daemon
     thread that, once this process's parent (its node's launcher) is gone -- a SIGKILL, an
     OOM kill, a crash: anything that skipped the launcher's own wind-down -- kills this
     worker's process group, the worker and its children (e.g. Megatron-LM's checkpoint
     writers). The worker leads its own session (``launch/agent.py``), so nothing else is
-    in that group. Orphans are noticed within ``poll_s``."""
+    in that group. Orphans are noticed within ``poll_s``.
+
+    This runs after the interpreter's start and the imports (about 0.4 s): a launcher
+    killed before then left a worker that took its new parent (pid 1) for its launcher and
+    watched it forever. So the launcher's pid also comes in the environment
+    (``LAUNCHER_PID``, set by the agent before the fork): a parent that is not that pid,
+    while that pid is no running process, means the launcher is gone already, and the
+    group is killed at once. The variable is not passed on to the worker's children."""
     import signal
     import threading
     import time
 
     if os.environ.get(_NAMES["lid"]) is None:
         return
-    parent = os.getppid()
+    told, parent = os.environ.pop(LAUNCHER_PID, ""), os.getppid()
+    if told.isdigit() and int(told) != parent and _gone(int(told)):
+        parent = -1  # no parent is: the watcher kills the group at its first look
 
     def watch():
         while os.getppid() == parent:

@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional
 from ..base.state import Role
 from ..membership import store as st
 from ..membership.store import CommandOp, EventKind
-from ..base.worker_env import WorkerEnv
+from ..base.worker_env import LAUNCHER_PID, WorkerEnv
 
 
 GROUP_SIGNALS = (signal.SIGKILL, signal.SIGSTOP, signal.SIGCONT)
@@ -73,6 +73,7 @@ class NodeAgent:
         env.update(replace(self.job_env, lid=w.lid, node=self.node, role=w.role,
                            local_rank=w.local_rank, rank=w.rank).to_env())
         env.update(self.device_env(w))
+        env[LAUNCHER_PID] = str(os.getpid())  # a worker whose parent is not it: orphaned
         p = subprocess.Popen(self.argv, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              start_new_session=True)

@@ -101,7 +101,7 @@ class Decider:
             return
         for ev in self.coord.read_events(self.cursor):
             self.cursor = ev["i"]
-            self._on_event(ev)
+            self._handle(ev)
             if self.finished:
                 return  # stopped (a fatal or a startup error): no plan follows
         now = self.clock()
@@ -122,6 +122,18 @@ class Decider:
         actives = self.drains.finishing(self.procs, self.plans)
         if actives and all(p.state == ProcState.DONE for p in actives) and not self.pending_dead:
             self.stop(f"{StopReason.COMPLETE.value}: all ranks finished", failed=False)
+
+    def _handle(self, ev: dict) -> None:
+        """One event. Whatever its handling raises is this record's end, never the
+        decider's (a forged JOIN's nonce once raised TypeError out of the step): rejected,
+        kept with the forged ones and logged, and the next event is handled."""
+        try:
+            self._on_event(ev)
+        except Exception as exc:  # noqa: BLE001 - one record never stops the coordinator
+            why = f"handling it raised {type(exc).__name__}: {exc}"
+            self.rejected.append({"i": ev.get("i"), "why": why[:200],
+                                  "claimed": {"kind": str(ev.get("kind"))[:40]}})
+            self.log(f"ignored event {ev.get('i')} ({str(ev.get('kind'))[:40]}): {why[:300]}")
 
     def _on_event(self, ev: dict) -> None:
         handler = {EventKind.FORGED: self._on_forged, EventKind.JOIN: self._on_join,
@@ -145,6 +157,9 @@ class Decider:
 
     def _on_join(self, ev: dict) -> None:
         lid = ev["lid"]
+        if not st.well_formed_nonce(ev["nonce"]):  # no key can be made of it: not answered
+            self.log(f"refused process {lid}: a malformed nonce {str(ev['nonce'])[:80]!r}")
+            return
         if lid not in self.procs:
             self.coord.answer_admission(lid, ev["nonce"], ok=False, why="unknown process id")
             self.log(f"refused process {lid}: unknown id")
@@ -310,6 +325,9 @@ class Decider:
 
     def _on_spare_agent(self, ev: dict) -> None:
         """A node agent started with ``--join-as-spare``: its node id and process ids."""
+        if not st.well_formed_nonce(ev["nonce"]):  # it could not be answered: no node
+            self.log(f"refused a spare node: a malformed nonce {str(ev['nonce'])[:80]!r}")
+            return
         node = max(p.node for p in self.procs.values()) + 1
         lids = [self.new_lid() for _ in range(int(ev["procs"]))]
         for lid in lids:

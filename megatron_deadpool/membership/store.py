@@ -29,6 +29,7 @@ below marked (signed) is sealed with the job secret for its slot (``auth.py``). 
 from __future__ import annotations
 
 import enum
+import re
 import secrets
 import socket
 import time
@@ -39,9 +40,17 @@ from ..base.errors import TokenError
 from ..base.plan import Plan
 from . import auth
 from . import records
-from .records import CountedQueue, OwnedSlots, peek
+from .records import CountedQueue, OwnedSlots, get_now, peek
 
 ROOT = "dp/"
+# A request nonce names a store key (dp/admit/{lid}/{nonce}, ...): a genuine one is
+# secrets.token_hex(8). Anything else that a record claims is no key: a lone surrogate
+# cannot be sent to the store at all (TypeError), a "/" would name another record.
+NONCE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def well_formed_nonce(nonce) -> bool:
+    return isinstance(nonce, str) and NONCE.fullmatch(nonce) is not None
 
 
 class EventKind(str, enum.Enum):
@@ -127,10 +136,10 @@ class Coordinator:
 
     def current_gen(self) -> int:
         """The newest generation with a valid signed pointer (a forged one is ignored)."""
-        key = k("latest")
-        if self.raw.check([key]):
+        raw = get_now(self.raw, k("latest"))
+        if raw is not None:
             try:
-                self._gen = max(self._gen, int(auth.open_(self.secret, self.raw.get(key))["gen"]))
+                self._gen = max(self._gen, int(auth.open_(self.secret, raw)["gen"]))
             except (auth.AuthError, KeyError, TypeError, ValueError):
                 pass
         return self._gen
@@ -139,11 +148,11 @@ class Coordinator:
         self.owned.set(k("failing", gen), auth.seal(self.secret, {"gen": gen}), k("failing", gen - 1))
 
     def is_failing(self, gen: int) -> bool:
-        key = k("failing", gen)
-        if not self.raw.check([key]):
+        raw = get_now(self.raw, k("failing", gen))
+        if raw is None:
             return False
         try:
-            return auth.open_(self.secret, self.raw.get(key), gen=gen)["gen"] == gen
+            return auth.open_(self.secret, raw, gen=gen)["gen"] == gen
         except (auth.AuthError, KeyError):
             return False
 
@@ -195,6 +204,8 @@ class Coordinator:
         return int(body["node"]), [int(x) for x in body["lids"]]
 
     def answer_spare_node(self, nonce: str, node: int, lids: List[int]) -> None:
+        if not well_formed_nonce(nonce):
+            return  # no key is made of it (the decider refuses such a request first)
         self.raw.set(k("spare_node", nonce), auth.seal(
             self.secret, {"nonce": nonce, "node": node, "lids": lids}))
 
@@ -206,6 +217,8 @@ class Coordinator:
         return auth.open_(self.secret, self.raw.get(k("drain", nonce)), nonce=nonce)
 
     def answer_drain(self, nonce: str, body: dict) -> None:
+        if not well_formed_nonce(nonce):
+            return  # no key is made of it: its sender waits in vain, the decider goes on
         self.raw.set(k("drain", nonce), auth.seal(self.secret, {"nonce": nonce, **body}))
 
     def publish_job_env(self, env: Dict[str, str]) -> None:
@@ -216,6 +229,8 @@ class Coordinator:
         return auth.open_(self.secret, self.raw.get(k("job_env")))["env"]
 
     def answer_admission(self, lid: int, nonce: str, ok: bool, why: str = "") -> None:
+        if not well_formed_nonce(nonce):
+            return  # no key is made of it (the decider refuses such a request first)
         self.raw.set(k("admit", lid, nonce), auth.seal(
             self.secret, {"lid": lid, "nonce": nonce, "ok": ok, "why": why}))
 
@@ -223,7 +238,7 @@ class Coordinator:
         """A join request that did not verify is refused, so its sender stops waiting."""
         lid, nonce = claimed.get("lid"), claimed.get("nonce")
         if claimed.get("kind") == EventKind.JOIN and isinstance(lid, int) and \
-                isinstance(nonce, str) and len(nonce) <= 64:  # a forger's key stays short
+                well_formed_nonce(nonce):  # a forger's key stays short, and one key
             self.answer_admission(lid, nonce, ok=False, why="wrong job secret")
 
     # -------------------------------------------------------------- shutdown
@@ -234,11 +249,11 @@ class Coordinator:
         return True
 
     def shutdown_reason(self) -> Optional[str]:
-        key = k("shutdown")
-        if not self.raw.check([key]):
+        raw = get_now(self.raw, k("shutdown"))
+        if raw is None:
             return None
         try:
-            return auth.open_(self.secret, self.raw.get(key))["reason"]
+            return auth.open_(self.secret, raw)["reason"]
         except (auth.AuthError, KeyError):
             return None
 
@@ -247,25 +262,24 @@ class Coordinator:
         self.raw.set(k("hb", lid), auth.seal(self.secret, {"lid": lid, **fields}))
 
     def heartbeats(self, lids: Sequence[int]) -> Dict[int, dict]:
-        present = [lid for lid in lids if self.raw.check([k("hb", lid)])]
         out = {}
-        if present:
-            for lid, raw in zip(present, self.raw.multi_get([k("hb", x) for x in present])):
-                try:
-                    out[lid] = auth.open_(self.secret, raw, lid=lid)
-                except auth.AuthError:
-                    continue
+        for lid in lids:
+            raw = get_now(self.raw, k("hb", lid))  # never a wait on a deleted key
+            try:
+                out[lid] = auth.open_(self.secret, raw, lid=lid)
+            except auth.AuthError:  # missing, or not signed for it
+                continue
         return out
 
     def agent_beat(self, node: int, seq: int) -> None:
         self.raw.set(k("agent_hb", node), auth.seal(self.secret, {"node": node, "seq": seq}))
 
     def agent_heartbeat(self, node: int) -> Optional[int]:
-        key = k("agent_hb", node)
-        if not self.raw.check([key]):
+        raw = get_now(self.raw, k("agent_hb", node))
+        if raw is None:
             return None
         try:
-            return int(auth.open_(self.secret, self.raw.get(key), node=node)["seq"])
+            return int(auth.open_(self.secret, raw, node=node)["seq"])
         except (auth.AuthError, KeyError):
             return None
 
@@ -293,10 +307,9 @@ class Coordinator:
 
     def rank_record(self, what: str, gen: int, rank: int) -> Optional[dict]:
         """A rank's verified record, or None (not there, or forged: its rank rewrites it)."""
-        key = k(what, gen, rank)
+        raw = get_now(self.raw, k(what, gen, rank))
         try:
-            return auth.open_(self.secret, self.raw.get(key), gen=gen, rank=rank) \
-                if self.raw.check([key]) else None
+            return None if raw is None else auth.open_(self.secret, raw, gen=gen, rank=rank)
         except auth.AuthError:
             return None
 
