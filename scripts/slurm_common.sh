@@ -32,6 +32,14 @@
 #                      $SLURM_LAUNCH_NODE_IPADDR as srun reports it to every task)
 #   MASTER_PORT        coordinator store port is MASTER_PORT+1 (default: a free pair)
 #   DEADPOOL_LAUNCH_FLAGS extra `deadpool launch` flags (--inject, --device, ...)
+#   DEADPOOL_REQUEUE   N > 0: the last resort under Slurm. The job runs with
+#                      --deadpool-fallback-save $OUT/fallback; when DeadPool stops (no spare
+#                      left, or a rank lost with every buddy) the batch script requeues the
+#                      job (`scontrol requeue`, at most N times: submit with `sbatch
+#                      --requeue`, which overrides the scripts' --no-requeue), and the
+#                      requeued run adds --deadpool-resume $OUT/fallback when the stopped run
+#                      saved an iteration of every rank (else it starts as configured, e.g.
+#                      from Megatron-LM's own --load in EXTRA_FLAGS). Default 0: off.
 # Account and QOS: `sbatch -A ACCOUNT -q QOS ...` (or SBATCH_ACCOUNT / SBATCH_QOS).
 
 deadpool_die() { echo "deadpool: $*" >&2; exit 2; }
@@ -70,6 +78,9 @@ deadpool_prepare() {
     deadpool_die "ACTIVE_NODES=$ACTIVE_NODES exceeds the $SLURM_JOB_NUM_NODES allocated nodes"
   fi
   OUT=${OUT:-${SLURM_SUBMIT_DIR:-$PWD}/deadpool-$SLURM_JOB_ID}
+  if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ -d "$OUT/results" ]; then  # a requeued run
+    mv "$OUT/results" "$OUT/results-run$((SLURM_RESTART_COUNT - 1))"
+  fi
   mkdir -p "$OUT/results"
   # Node 0 (coordinator store + decider) must be the batch node: if the batch node dies
   # Slurm ends the job anyway, so the coordinator adds no failure domain of its own.
@@ -118,6 +129,27 @@ deadpool_trainer_flags() { # fills the array TRAIN_FLAGS
   printf '%s\n' "${TRAIN_FLAGS[@]}" > "$OUT/trainer_flags.txt"  # what trained, for replays
   TRAIN_FLAGS+=(--deadpool --deadpool-replicas "${DEADPOOL_REPLICAS:-1}"
                 --deadpool-events "$OUT/events.jsonl")
+  if [ "${DEADPOOL_REQUEUE:-0}" -gt 0 ]; then
+    TRAIN_FLAGS+=(--deadpool-fallback-save "$OUT/fallback")
+    local saved
+    if saved=$(deadpool_fallback_iteration); then
+      echo "deadpool: restart ${SLURM_RESTART_COUNT:-0}: resuming from iteration $saved" \
+           "in $OUT/fallback"
+      TRAIN_FLAGS+=(--deadpool-resume "$OUT/fallback")
+    fi
+  fi
+}
+
+deadpool_fallback_iteration() { # the iteration the last run's fallback save holds for every rank
+  "$DEADPOOL_PYTHON" - "$OUT/summary.json" <<'EOF'
+import json, sys
+try:
+    it = json.load(open(sys.argv[1]))["fallback_save"]["iteration"]
+except (OSError, ValueError, KeyError, TypeError):
+    it = None
+print(it if it is not None else "")
+sys.exit(0 if it is not None else 1)
+EOF
 }
 
 # One agent per node. --no-kill: a node that slurmctld marks DOWN does not end the step
@@ -138,7 +170,18 @@ deadpool_finish() { # 0 only if node 0 wrote a summary that says ok
   ok=$("$DEADPOOL_PYTHON" -c 'import json,sys; print(json.load(open(sys.argv[1]))["ok"])' \
        "$OUT/summary.json" 2>/dev/null || echo missing)
   echo "deadpool: summary ok: $ok ($OUT/summary.json)"
-  [ "$ok" = True ]
+  [ "$ok" = True ] && return 0
+  local restarts=${SLURM_RESTART_COUNT:-0}
+  if [ "${DEADPOOL_REQUEUE:-0}" -gt "$restarts" ]; then
+    local saved
+    saved=$(deadpool_fallback_iteration) || saved=none
+    echo "deadpool: requeueing job $SLURM_JOB_ID (restart $((restarts + 1)) of" \
+         "$DEADPOOL_REQUEUE); fallback save: iteration $saved in $OUT/fallback"
+    cp "$OUT/summary.json" "$OUT/summary-run$restarts.json" 2>/dev/null || true
+    scontrol requeue "$SLURM_JOB_ID" || echo "deadpool: scontrol requeue failed (was the" \
+      "job submitted with sbatch --requeue?)"
+  fi
+  return 1
 }
 
 deadpool_agent() { # the srun task on every node
