@@ -85,22 +85,80 @@ def sync(device):
 
 
 def train(args, device, model, optimizer, scheduler, state, p, modes):
-    """One step per entry of ``modes`` ("on"/"off"); returns the step times."""
+    """One step per entry of ``modes`` ("on"/"off"); returns the step times. Each step's
+    breakdown goes to RESULT["steps"]: the main thread's CPU time (time.thread_time: a
+    main thread that waits, e.g. for the GIL held by the mirror's threads, uses less CPU than
+    its wall time), and on a GPU the compute stream's span from the step's first to its last
+    recorded event (kernels slowed by the snapshot's copies lengthen it)."""
+    import torch
+
     from megatron_deadpool.trainer import gpt
 
     times = []
     for mode in modes:
-        t0 = time.perf_counter()
+        ev = ([torch.cuda.Event(enable_timing=True) for _ in range(2)]
+              if device.type == "cuda" else None)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        if ev:
+            ev[0].record()
         p.before_step(state.iteration)
         loss, _ = gpt.train_step(args, state, model, optimizer, scheduler, device, None)
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
+        if ev:
+            ev[1].record()
+        t_launched = time.perf_counter() - t0
         p.after_step(state.iteration, mirror_on=(mode == "on"))
         sync(device)
         times.append(time.perf_counter() - t0)
+        RESULT.setdefault("steps", []).append({
+            "iteration": state.iteration, "mode": mode, "wall_s": times[-1],
+            "main_cpu_s": time.thread_time() - c0, "launched_s": t_launched,
+            "gpu_span_s": ev[0].elapsed_time(ev[1]) / 1e3 if ev else None})
         log(f"iteration {state.iteration} mirror {mode}: {times[-1] * 1000:.1f} ms "
             f"loss {loss}")
     return times
+
+
+def breakdown(steps, block):
+    """Medians per mode of each step measure (each block's first step left out, as for the
+    ratio): where the mirror's cost goes. ``wall - main_cpu``: the main thread off the CPU
+    (waiting); ``gpu_span``: the device's time for the step's work."""
+    out = {}
+    for mode in ("on", "off"):
+        kept = [s for i, s in enumerate(steps) if s["mode"] == mode and i % block != 0]
+        out[mode] = {k: statistics.median(s[k] for s in kept) if kept and kept[0][k]
+                     is not None else None
+                     for k in ("wall_s", "main_cpu_s", "launched_s", "gpu_span_s")}
+    out["ratios_on_over_off"] = {k: out["on"][k] / out["off"][k] for k in out["on"]
+                                 if out["on"][k] and out["off"][k]}
+    return out
+
+
+def profile(run, device, steps=("on", "on", "off", "off")):
+    """torch.profiler over a few steps of each mode: the device time of the kernels
+    (copies excluded) and of the device-to-host copies, per mode, and the top operators by
+    self CPU time. Kernels that take longer with the mirror on point at the device (the copy
+    engine and memory bandwidth); the same kernel time with a longer step points at the
+    host (launches delayed on the main thread)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    out = {}
+    for mode in dict.fromkeys(steps):
+        with prof(activities=acts) as pr:
+            run([m for m in steps if m == mode])
+        ka = pr.key_averages()
+
+        def dev(e):
+            return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+        copies = sum(dev(e) for e in ka if "Memcpy" in e.key or "memcpy" in e.key)
+        out[mode] = {"kernel_s": (sum(dev(e) for e in ka) - copies) / 1e6,
+                     "copy_s": copies / 1e6,
+                     "top_cpu": [(e.key, e.self_cpu_time_total / 1e6) for e in
+                                 sorted(ka, key=lambda e: -e.self_cpu_time_total)[:12]]}
+    return out
 
 
 def blocks(args_b, p_run):
@@ -235,6 +293,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--block", type=int, default=3)
     ap.add_argument("--blocks", type=int, default=2, help="blocks per mode")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile 2 steps per mode (torch.profiler): kernel and copy "
+                         "device time, top CPU operators (RESULT['profile'])")
     ap.add_argument("trainer_argv", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     argv = [x for x in a.trainer_argv if x != "--"]
@@ -268,6 +329,13 @@ def main() -> int:
     RESULT["warmup_s"] = time.perf_counter() - t0
     RESULT["in_run"] = blocks(a, run)
     log(f"in run: {json.dumps({k: RESULT['in_run'][k] for k in ('step_s_on', 'step_s_off', 'ratio_on_over_off')})}")
+    kept = RESULT["steps"][a.warmup:]
+    RESULT["breakdown"] = breakdown(kept, a.block)
+    log(f"breakdown: {json.dumps(RESULT['breakdown'])}")
+    if a.profile:
+        RESULT["profile"] = profile(run, device)
+        log(f"profile: {json.dumps({m: {k: v for k, v in d.items() if k != 'top_cpu'} for m, d in RESULT['profile'].items()})}")
+    save(a.out)
     m = p.mirror
     m.wait()
     c = m.copier
