@@ -6,14 +6,15 @@ loaded on first use (it pulls in torch).
 """
 
 from .base.config import DeadpoolConfig, add_deadpool_args
-from .base.errors import (ConfigError, DeadpoolError, JobStopped, MirrorCorruptError,
-                          MirrorError, NoCommittedStateError, NoSpareError, RebindAuditError,
-                          StaleGenerationError, StopReason, TokenError, UnsupportedConfigError)
+from .base.errors import (ConfigError, DeadpoolError, ForgedRecordError, JobStopped,
+                          MirrorCorruptError, MirrorError, NoCommittedStateError, NoSpareError,
+                          RebindAuditError, StaleGenerationError, StopReason, TokenError,
+                          UnsupportedConfigError)
 
 __version__ = "0.1.0"
 
 __all__ = ["Deadpool", "DeadpoolConfig", "add_deadpool_args", "ConfigError", "DeadpoolError",
-           "JobStopped", "MirrorCorruptError", "MirrorError", "NoCommittedStateError",
+           "ForgedRecordError", "JobStopped", "MirrorCorruptError", "MirrorError", "NoCommittedStateError",
            "NoSpareError", "RebindAuditError", "StaleGenerationError", "StopReason",
            "TokenError", "UnsupportedConfigError"]
 

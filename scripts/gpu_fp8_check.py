@@ -98,7 +98,7 @@ def restore_and_step(path: str, with_extra: bool) -> str:
     from megatron_deadpool.mirror import metadata
 
     model, opt = build()
-    snap = torch.load(path, weights_only=False)
+    snap = torch.load(path, weights_only=True)  # tensors, numbers, bytes
     model.load_state_dict(snap["params"], strict=False)
     opt.load_state_dict(snap["opt"])
     if with_extra:

@@ -27,9 +27,9 @@ LAYERS = [
     ("membership", ["auth", "assign", "plan", "procs", "local_restart", "startup", "records",
                     "store", "drain", "straggler", "decider", "member"]),
     ("mirror", ["placement", "snapshot", "transport_api", "transport", "gloo_transport",
-                "rounds", "frames", "socket_transport", "handshake", "metadata", "impostor",
-                "threads", "d2h", "cost", "meter", "flat", "commit", "held", "jobs", "mirror",
-                "persist", "handoff"]),
+                "rounds", "round_records", "frames", "socket_transport", "handshake",
+                "metadata", "impostor", "threads", "d2h", "cost", "meter", "flat", "commit",
+                "held", "jobs", "mirror", "persist", "handoff"]),
     ("adapters", ["support", "shard", "extra_state", "train_state", "cpu_standins", "cpu_mode",
                   "lm_rules", "checkpoints", "exact_resume", "quiet", "iterators", "ddp", "training_globals",
                   "tags", "evaluation", "async_saves", "cadence", "groups"]),
@@ -52,15 +52,18 @@ LAYER_OF = {(f"{folder.replace('/', '.')}.{m}" if folder else m): i
 MAX_FUNCTION_LINES = 60
 
 
-def _modules():
+def _modules(inits: bool = False):
+    """(name, path) of every module; with ``inits`` the folders' ``__init__.py`` too (named
+    ``folder.__init__``: it belongs to its folder's layer, and its imports are checked)."""
     for path in sorted(PKG.rglob("*.py")):
         rel = path.relative_to(PKG).with_suffix("")
-        if rel.name == "__init__":
+        if rel.name == "__init__" and not inits:
             continue
         yield ".".join(rel.parts), path
 
 
 MODULES = dict(_modules())
+ALL_FILES = dict(_modules(inits=True))  # the import checks read the __init__ files too
 
 
 def _folder(name: str) -> str:
@@ -77,32 +80,76 @@ def _shown(name: str) -> str:
     return name.replace(".", "/") or "(root)"
 
 
+IMPORTERS = {"import_module", "importlib.import_module", "__import__"}
+DYNAMIC = "<an import by a name the check cannot read>"
+
+
+def _target(mod: str) -> str:
+    """A package module, or a folder's ``__init__`` for an import of the folder itself."""
+    init = f"{mod}.__init__" if mod else "__init__"
+    return init if mod not in ALL_FILES and init in ALL_FILES else mod
+
+
+def _absolute(text: str, pkg_parts: List[str], package=None):
+    """The package-relative module a dotted name (``.x``, ``..y.z`` or absolute) names, or
+    None for a module outside the package."""
+    level = len(text) - len(text.lstrip("."))
+    if not level:
+        return text[len("megatron_deadpool."):] if text.startswith("megatron_deadpool.") \
+            else "" if text == "megatron_deadpool" else None
+    if package is not None:  # import_module(".x", "megatron_deadpool.mirror")
+        pkg_parts = (_absolute(package, []) or "").split(".") if package != \
+            "megatron_deadpool" else []
+    base = pkg_parts[:len(pkg_parts) - level + 1]
+    return ".".join(base + ([text.lstrip(".")] if text.lstrip(".") else []))
+
+
+def _dynamic(node: ast.Call, pkg_parts: List[str]):
+    """The package module an ``importlib.import_module(...)`` / ``__import__(...)`` call
+    names (DYNAMIC when its name is not a literal), or None (not one, or outside)."""
+    func = node.func
+    name = func.id if isinstance(func, ast.Name) else \
+        f"{getattr(func.value, 'id', '')}.{func.attr}" if isinstance(func, ast.Attribute) else ""
+    if name not in IMPORTERS or not node.args:
+        return None
+    arg = node.args[0]
+    if not (isinstance(arg, ast.Constant) and isinstance(arg.value, str)):
+        return DYNAMIC
+    pkg = node.args[1] if len(node.args) > 1 else next(
+        (k.value for k in node.keywords if k.arg == "package"), None)
+    pkg = pkg.value if isinstance(pkg, ast.Constant) and isinstance(pkg.value, str) else None
+    return _absolute(arg.value, pkg_parts, pkg)
+
+
 def _imports(name: str, path: pathlib.Path):
     """Package modules imported anywhere in ``path`` (absolute and relative forms, at the
-    top or inside a function)."""
+    top or inside a function, and by name through ``importlib.import_module`` or
+    ``__import__``; DYNAMIC for a name that is not a literal)."""
     pkg_parts = name.split(".")[:-1]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg_parts[:len(pkg_parts) - node.level + 1]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            elif (node.module or "").startswith("megatron_deadpool"):
-                mod = node.module[len("megatron_deadpool."):]
-            else:
+            mod = _absolute("." * node.level + (node.module or ""), pkg_parts)
+            if mod is None:
                 continue
             for alias in node.names:
                 full = f"{mod}.{alias.name}" if mod else alias.name
-                yield full if full in MODULES else mod
+                yield full if full in ALL_FILES else f"{full}.__init__" \
+                    if f"{full}.__init__" in ALL_FILES else _target(mod)
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.startswith("megatron_deadpool."):
-                    yield alias.name[len("megatron_deadpool."):]
+                mod = _absolute(alias.name, pkg_parts)
+                if mod:
+                    yield _target(mod)
+        elif isinstance(node, ast.Call):
+            mod = _dynamic(node, pkg_parts)
+            if mod is not None:
+                yield mod if mod == DYNAMIC else _target(mod)
 
 
 def _module_graph() -> Dict[str, Set[str]]:
     """Module -> the package modules it imports (itself left out)."""
-    return {name: {t for t in _imports(name, path) if t in MODULES and t != name}
-            for name, path in MODULES.items()}
+    return {name: {t for t in _imports(name, path) if t in ALL_FILES and t != name}
+            for name, path in ALL_FILES.items()}
 
 
 def _folder_graph(modules: Dict[str, Set[str]]) -> Dict[str, Set[str]]:
@@ -150,7 +197,7 @@ def _cycles(graph: Dict[str, Iterable[str]]) -> List[List[str]]:
 def test_every_module_has_a_layer():
     """The map is explicit: every module is listed under its folder, every listed module
     exists."""
-    missing = sorted(set(MODULES) - set(LAYER_OF))
+    missing = sorted(set(MODULES) - set(LAYER_OF))  # (the __init__ files: their folder's)
     assert not missing, f"list these modules under their folder (tests/test_structure.py): " \
                         f"{[_shown(m) for m in missing]}"
     assert not sorted(set(LAYER_OF) - set(MODULES)), "listed modules that do not exist"
@@ -177,6 +224,53 @@ def test_the_check_sees_an_upward_import(tmp_path):
     targets = list(_imports("mirror.mirror", fake / "mirror.py"))
     assert targets == ["control.runtime"]
     assert _layer(targets[0]) > _layer("mirror.mirror")
+
+
+def test_every_import_names_its_module():
+    """An ``importlib.import_module`` / ``__import__`` of a computed name would hide an
+    import from the layer and cycle checks: every one names a literal module."""
+    bad = [_shown(name) for name, path in ALL_FILES.items() if DYNAMIC in _imports(name, path)]
+    assert not bad, f"imports by a computed name (the checks cannot follow them): {bad}"
+
+
+def _planted(tmp_path, rel: str, text: str):
+    """The package modules ``text`` imports, as if it were the file ``rel``."""
+    f = tmp_path / rel.replace("/", "_")
+    f.write_text(text)
+    name = rel[:-len(".py")].replace("/", ".")
+    return [t for t in _imports(name, f)]
+
+
+def test_the_check_sees_a_back_import_in_an_init(tmp_path):
+    """A folder's ``__init__.py`` is a module of its folder's layer: a back-import placed
+    there is caught (issue 49), and so is an import of a higher folder's package itself."""
+    for text in ("from ..control.runtime import Runtime\n", "from ..control import runtime\n",
+                 "import megatron_deadpool.control.runtime\n", "from .. import control\n"):
+        targets = _planted(tmp_path, "mirror/__init__.py", text)
+        assert targets and all(_layer(t) > _layer("mirror.__init__") for t in targets), \
+            (text, targets)
+    assert "mirror.__init__" in ALL_FILES and "__init__" in ALL_FILES
+    assert "mirror.__init__" in _module_graph()  # the checks walk the __init__ files
+
+
+def test_the_check_sees_an_importlib_import(tmp_path):
+    """An import by name is an import: ``importlib.import_module`` (absolute, or relative
+    with a package) and ``__import__``, lazy inside a function; a computed name is
+    reported as such."""
+    planted = {
+        'import importlib\ndef f():\n    importlib.import_module('
+        '"megatron_deadpool.control.runtime")\n': ["control.runtime"],
+        'from importlib import import_module\nimport_module("..control.runtime", '
+        '"megatron_deadpool.mirror")\n': ["control.runtime"],
+        'import importlib\nimportlib.import_module(".runtime", package=__package__)\n':
+            ["mirror.runtime"],
+        '__import__("megatron_deadpool.recovery.world")\n': ["recovery.world"],
+        'import importlib\nimportlib.import_module(f"megatron_deadpool.{x}")\n': [DYNAMIC],
+        'import importlib\nimportlib.import_module("json")\n': [],
+    }
+    for text, want in planted.items():
+        assert _planted(tmp_path, "mirror/mirror.py", text) == want, (text, want)
+    assert _layer("control.runtime") > _layer("mirror.mirror")
 
 
 def test_no_file_import_cycle():

@@ -77,16 +77,19 @@ def _peer_death(t, rank, store):
         assert time.monotonic() - t0 < 15, name
 
 
-def _worker(rank, kind, port, errq):
+def _worker(rank, kind, port, errq, group_collectives=False):
     try:
         store = torch.distributed.TCPStore("127.0.0.1", port, WORLD, rank == 0,
                                            wait_for_workers=False)
         torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
         # built by name through the registry, as the runtime builds it (control/link.py):
-        # the gloo transport's collectives are its group's, the others' the store's rounds
+        # every transport's collectives are the store's signed rounds, the gloo transport's
+        # through its group object (``group_collectives``: the group's own, for tests)
         gen = torch.distributed.PrefixStore("t/", store)
-        collectives = (GlooTransport(timeout_s=60) if kind == "gloo"
-                       else StoreRounds(gen, rank, WORLD, timeout_s=60))
+        rounds = StoreRounds(gen, rank, WORLD, timeout_s=60, secret=SECRET, gen=0)
+        collectives = (GlooTransport(timeout_s=60, secret=SECRET, gen=0,
+                                     rounds=None if group_collectives else rounds)
+                       if kind == "gloo" else rounds)
         t = create_transport(kind, TransportContext(gen, rank, WORLD, collectives,
                                                     "127.0.0.1", SECRET, 0, timeout_s=60))
         _conformance(t, rank)
@@ -111,12 +114,14 @@ def test_every_registered_transport_is_in_the_conformance_test():
         create_transport("carrier-pigeon", TransportContext(None, 0, 1, None))
 
 
-@pytest.mark.parametrize("kind", CONFORMANCE)
+@pytest.mark.parametrize("kind", CONFORMANCE + ["gloo-group-collectives"])
 def test_transport_conformance(kind):
     ctx = mp.get_context("spawn")
     errq = ctx.Queue()
     port = _port()
-    procs = [ctx.Process(target=_worker, args=(r, kind, port, errq)) for r in range(WORLD)]
+    name, group = kind.split("-")[0], kind.endswith("group-collectives")
+    procs = [ctx.Process(target=_worker, args=(r, name, port, errq, group))
+             for r in range(WORLD)]
     for p in procs:
         p.start()
     errors = [errq.get(timeout=120) for _ in procs]
@@ -420,3 +425,44 @@ def test_every_message_carries_a_tag_under_its_connections_key():
     for case in ((other, 0, 0, False), (key, 0, 1, False), (key, 0, 0, True)):
         with pytest.raises(frames.PeerLost, match="failed its tag"):
             deliver(*case)
+
+
+def test_every_gloo_message_carries_a_tag_under_its_pairs_key():
+    """gloo_transport.py (issue 49: it had no MAC): the trailer after each message binds
+    the job secret, the generation, the pair, the position and the length; a message of
+    another secret, generation, pair or position, or altered, fails its tag before anyone
+    reads the slot, and the right one passes."""
+    from megatron_deadpool.mirror.frames import PeerLost
+    from megatron_deadpool.mirror.gloo_transport import Tags
+
+    payload = torch.arange(64, dtype=torch.uint8)
+
+    def deliver(sender: Tags, receiver: Tags, flip=False, into_n=100):
+        trailer = sender.trailer(receiver.rank, payload)
+        into = torch.full((into_n,), 255, dtype=torch.uint8)  # larger: the prefix is filled
+        into[:64] = payload[:into_n]
+        if flip:
+            into[5] ^= 1
+        receiver.check(sender.rank, into, trailer, receiver.next_in(sender.rank))
+
+    deliver(Tags(SECRET, 4, 0), Tags(SECRET, 4, 1))
+    a, b = Tags(SECRET, 4, 0), Tags(SECRET, 4, 1)
+    deliver(a, b), deliver(a, b)  # each direction's sequence numbers advance together
+    cases = {"another secret": (Tags("other", 4, 0), Tags(SECRET, 4, 1)),
+             "another generation": (Tags(SECRET, 3, 0), Tags(SECRET, 4, 1)),
+             "another pair": (Tags(SECRET, 4, 2), Tags(SECRET, 4, 1))}
+    for why, (s, r) in cases.items():
+        if why == "another pair":  # rank 2's message, taken as rank 0's
+            with pytest.raises(PeerLost, match="failed its tag"):
+                r.check(0, torch.cat([payload, payload]), s.trailer(1, payload), r.next_in(0))
+            continue
+        with pytest.raises(PeerLost, match="failed its tag"):
+            deliver(s, r)
+    s, r = Tags(SECRET, 4, 0), Tags(SECRET, 4, 1)
+    s.trailer(1, payload)  # a message the receiver never took: a replay of #0 as #1
+    with pytest.raises(PeerLost, match="failed its tag"):
+        deliver(s, r)
+    with pytest.raises(PeerLost, match="failed its tag"):
+        deliver(Tags(SECRET, 4, 0), Tags(SECRET, 4, 1), flip=True)
+    with pytest.raises(PeerLost, match="failed its tag"):  # claims more than was received
+        deliver(Tags(SECRET, 4, 0), Tags(SECRET, 4, 1), into_n=32)

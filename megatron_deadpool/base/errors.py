@@ -31,6 +31,12 @@ class NoCommittedStateError(DeadpoolError):
     """No iteration is committed on every needed holder: nothing safe to restore."""
 
 
+class ForgedRecordError(DeadpoolError):
+    """A store record the job needs failed its MAC, was signed for another slot, or is
+    missing where every genuine writer has written it: someone without the job secret
+    wrote to the store (docs/threat-model.md). Terminal, and never taken for a lost state."""
+
+
 class NoSpareError(DeadpoolError):
     """A failure happened and no spare is left to take the dead ranks."""
 

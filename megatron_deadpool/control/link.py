@@ -93,19 +93,23 @@ class Links:
 
         s, store = self.settings, c10d._get_default_store()  # this generation's (world.py)
         rank, world = c10d.get_rank(), c10d.get_world_size()
-        rounds = StoreRounds(store, rank, world, s.op_timeout_s)
-        collectives = self._mirror_group() if s.transport_name is Transport.GLOO else rounds
+        rounds = StoreRounds(store, rank, world, s.op_timeout_s, s.secret, plan.gen)
+        collectives = self._mirror_group(rounds, plan.gen) \
+            if s.transport_name is Transport.GLOO else rounds
         transport = create_transport(s.transport_name, TransportContext(
             store, rank, world, collectives, s.store_host, s.secret, plan.gen, s.op_timeout_s))
         self.current = Link(tuple(plan.node_of_rank), transport, rounds,
-                            RejectionBoard(store), store)
+                            RejectionBoard(store, s.secret, plan.gen), store)
         return self.current
 
-    def _mirror_group(self) -> GlooTransport:
-        """A world-wide gloo group for the gloo transport (the abort shuts it down)."""
+    def _mirror_group(self, rounds: StoreRounds, gen: int) -> GlooTransport:
+        """A world-wide gloo group for the gloo transport's exchange (the abort shuts it
+        down); its messages are tagged under keys of the job secret, and its collectives are
+        the signed store rounds (gloo_transport.py)."""
         s, before = self.settings, meters.thread_names()
         with communicator_sockets():
-            gloo = GlooTransport(timeout_s=s.op_timeout_s, create_timeout_s=s.create_timeout_s)
+            gloo = GlooTransport(timeout_s=s.op_timeout_s, create_timeout_s=s.create_timeout_s,
+                                 secret=s.secret, gen=gen, rounds=rounds)
         tids = meters.started_threads(before, meters.GLOO_THREAD_NAMES)  # its I/O threads
         for tid in tids:
             lower_thread_priority(tid)

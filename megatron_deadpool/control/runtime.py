@@ -21,7 +21,7 @@ from typing import Iterator, List, Optional
 
 from ..adapters.quiet import CollectiveSuppressor
 from ..base.config import DeadpoolConfig, DrainSource
-from ..base.errors import DeadpoolError, JobStopped, NoCommittedStateError
+from ..base.errors import DeadpoolError, ForgedRecordError, JobStopped, NoCommittedStateError
 from ..base.plan import Plan
 from ..base.state import RankState, Role, WorkerState
 from ..base.vocabulary import SECTION_PHASES, Event, Phase
@@ -243,7 +243,7 @@ class Runtime:
                 exc, PlannedSwap) else "failure seen", self.state.iteration,
                 type(exc).__name__, str(exc).partition("\n")[0])
             self._recover_until_done(exc, self.state.iteration)
-        except (JobStopped, NoCommittedStateError):
+        except (JobStopped, NoCommittedStateError, ForgedRecordError):
             if self.config.fallback_save_dir:  # write the copies held here, then stop
                 self.world.abort("the job stops: fallback save", self.state.rank)
                 self.att.save_fallback(self.config.heartbeat_timeout_s, self.state.rank)

@@ -28,7 +28,12 @@ Two ways to know it, chosen once per attach (``Attachment.attach``):
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
+
+from ..membership import auth
+
+log = logging.getLogger(__name__)
 
 REJECTED_KEY = "deadpool-mirror-rejected/"
 
@@ -36,16 +41,29 @@ REJECTED_KEY = "deadpool-mirror-rejected/"
 class RejectionBoard:
     """Implicit commits' one cross-rank signal, written only on failure: the iterations of
     which some holder rejected a copy. ``store``: the generation's (world.py prefixes it per
-    generation, so a redone iteration after a recovery starts clean)."""
+    generation, so a redone iteration after a recovery starts clean). A post is sealed with
+    the job secret for its generation and iteration (``membership/auth.py``); one that does
+    not verify is a forger's (someone without the secret), logged and ignored: it cannot
+    keep an iteration from committing."""
 
-    def __init__(self, store):
-        self.store = store
+    def __init__(self, store, secret: Optional[str] = None, gen: int = 0):
+        self.store, self.secret, self.gen = store, secret or "", gen
 
     def post(self, iteration: int) -> None:
-        self.store.set(f"{REJECTED_KEY}{iteration}", "1")
+        self.store.set(f"{REJECTED_KEY}{iteration}", auth.seal(self.secret, {
+            "k": "rejected", "g": self.gen, "it": iteration}))
 
     def posted(self, iteration: int) -> bool:
-        return self.store.check([f"{REJECTED_KEY}{iteration}"])
+        key = f"{REJECTED_KEY}{iteration}"
+        if not self.store.check([key]):
+            return False
+        try:
+            auth.open_(self.secret, self.store.get(key), k="rejected", g=self.gen, it=iteration)
+        except auth.AuthError as exc:
+            log.warning("mirror commit of iteration %d: a rejection record forged by someone "
+                        "without the job secret (%s): ignored", iteration, exc)
+            return False
+        return True
 
 
 class CommitTracker:

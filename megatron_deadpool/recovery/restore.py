@@ -110,7 +110,9 @@ def agree(rounds, rank: int, inv: Inventory) -> Tuple[RestoreDecision, frozenset
     newest iteration all W ranks counted is chosen; each rank lacking its own copy tells its
     holder. Returns the decision restricted to this rank (``sources``: its own source, and
     the owners it serves) and the (owner, holder) pairs around it that already hold the
-    chosen iteration (they are not sent again)."""
+    chosen iteration (they are not sent again). Every post and count is summed from signed
+    records (rounds.py): a forged one stops the restore with ForgedRecordError, never with
+    NoCommittedStateError, which means that the state is gone."""
     posts = {f"holds/{o}": sorted(its) for o, its in inv.copies.items() if o != rank and its}
     got, _ = rounds.round(posts=posts, read_posts=[f"holds/{rank}"], what="restore")
     holders = {h: frozenset(its) for h, its in got[f"holds/{rank}"]}
