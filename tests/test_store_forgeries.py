@@ -337,3 +337,25 @@ def test_the_decider_keeps_going_under_every_planted_forgery_at_once(monkeypatch
     assert d.procs[0].state == "alive" and d.procs[1].state == "dead", d.procs
     assert d.forged > 100
     assert store.check([st.k("latest"), st.k("plan", 0)])
+
+
+def test_a_record_written_between_the_readers_two_calls_is_read_not_lost():
+    """get_now asks compare_set (missing: the placeholder comes back), then check; a writer
+    whose set lands between the two made the placeholder pass for the record, and the
+    decider dropped a genuine JOIN as forged (seen in the fault matrix under load)."""
+    from megatron_deadpool.membership import records
+
+    class Racy:
+        def __init__(self):
+            self.value = None
+
+        def compare_set(self, key, expected, desired):
+            if self.value is None:
+                self.value = b"genuine"  # the writer's set lands right after this answer
+                return expected.encode()
+            return self.value
+
+        def check(self, keys):
+            return self.value is not None
+
+    assert records.get_now(Racy(), "k") == b"genuine"
