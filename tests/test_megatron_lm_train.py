@@ -143,3 +143,43 @@ def test_last_resort_fallback_then_resume_is_bitwise(run, tag, tmp_path_factory)
     assert resumed["completed_iters"] == 12 - saved["iteration"]
     assert saved["iteration"] >= 6 - 2  # at most the iteration in flight and one more redone
     assert resumed["final_state_sha256"] == ref["final_state_sha256"]
+
+
+@pytest.mark.parametrize("tag", ON_NEWEST_IN_CI)
+def test_save_then_load_is_bitwise(run, tag, tmp_path_factory):
+    """Megatron-LM's own checkpoints, dropout on (its default 0.1): a job with --deadpool
+    --save's every 4 iterations (ending where the unpatched script does: the saves change
+    nothing); a new job --load's its iteration 4 and goes on as if never stopped. Its
+    checkpoint at 8 equals the first job's, and so do DeadPool's per-rank additions beside
+    it (RNG states, each TP rank's own norms and biases: adapters/exact_resume.py); its
+    fingerprint at 12 is the unpatched script's."""
+    import os
+    import subprocess
+
+    from mlm import REPO
+
+    ref = run(tag, "unpatched", "unpatched", FLAGS)
+    tree = _trees(tmp_path_factory, tag)["patched"]
+    d = tmp_path_factory.mktemp("save-load")
+    done = {}
+    for name, extra in (("saved", []), ("loaded", ["--load", str(d / "ck-saved"),
+                                                  "--ckpt-step", "4"])):
+        p, done[name] = launch(d, FLAGS + ["--deadpool", "--save", str(d / f"ck-{name}"),
+                                           "--save-interval", "4", *extra],
+                               name=name, python=python_for(tag),
+                               extra_launch=["--device", "cpu", "--script",
+                                             str(tree / "pretrain_gpt.py")])
+        assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
+        assert done[name]["final_state_sha256"] == ref["final_state_sha256"], done[name]
+    saved, loaded = done["saved"], done["loaded"]
+    assert loaded["completed_iters"] == 8 and loaded["losses"] == saved["losses"][4:]
+    assert "not exact" not in p.stdout + p.stderr
+    for rank in range(8):  # DeadPool's additions at 8, byte for byte
+        rel = f"deadpool_exact/iter_0000008/rank{rank}.bin"
+        assert (d / "ck-saved" / rel).read_bytes() == (d / "ck-loaded" / rel).read_bytes()
+    c = subprocess.run([python_for(tag), str(REPO / "scripts" / "compare_checkpoints.py"),
+                        str(d / "ck-saved" / "iter_0000008"),
+                        str(d / "ck-loaded" / "iter_0000008")], capture_output=True,
+                       text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(REPO)])))
+    assert c.returncode == 0, c.stdout[-3000:] + c.stderr[-3000:]

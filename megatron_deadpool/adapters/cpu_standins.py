@@ -143,13 +143,19 @@ def _restore_steps(inner, steps: set) -> None:
     """The same load sets torch Adam's ``step`` from the checkpoint's ``param_groups`` and
     then, in ``load_parameter_state_from_dp_reshardable``, copies over it the ``step`` that
     the sharded state dict was built with before the load (a template: 0), so a resumed
-    run's bias correction started again from step 1. The checkpoint's step is put back."""
+    run's bias correction started again from step 1. The checkpoint's step is put back.
+    The load also leaves that step in torch Adam's param groups, which an optimizer that
+    never loaded has not (torch Adam keeps it per parameter): it is removed there, or the
+    resumed state differs from the uninterrupted one in its param groups."""
     if len(steps) != 1 or not isinstance(inner, torch.optim.Optimizer):
         return
     step = next(iter(steps))
     for state in inner.state.values():
         if isinstance(state.get("step"), torch.Tensor):
             state["step"].fill_(step)
+    if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+        for group in inner.param_groups:
+            group.pop("step", None)
 
 
 class _KeepSent:

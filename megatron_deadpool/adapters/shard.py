@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -129,6 +129,57 @@ def unreplicated_tensors(model_chunks: Sequence[torch.nn.Module], dp_size: int
             if b is not None:
                 out.append((f"chunk{ci}.buffer.{name}", b))
     return out
+
+
+def _tp_replicated(param) -> bool:
+    return not getattr(param, "tensor_model_parallel", False)
+
+
+def tp_replicated_state(model_chunks, optimizer) -> Dict[str, torch.Tensor]:
+    """The state of the parameters each tensor-parallel rank holds whole (norms, row-parallel
+    biases, position embeddings): the model params (``chunk<c>.<name>``) and their optimizer
+    shard's entries (``opt<o>.p<i>.<key>``: main param, moments, step), as {name: tensor}.
+    Each TP rank updates its own copy, and the copies can differ (CPU mode: dropout on the
+    CPU generator, which only TP rank 0's data loader draws from); a Megatron-LM checkpoint
+    keeps TP rank 0's. Only meaningful with TP > 1 (with TP 1 it is every parameter)."""
+    out = {}
+    for ci, chunk in enumerate(model_chunks):
+        for name, p in chunk.named_parameters():
+            if _tp_replicated(p):
+                out[f"chunk{ci}.{name}"] = p.data
+    for oi, opt in enumerate(distributed_optimizers(optimizer)):
+        for pi, model_param in enumerate(_model_params_in_shard_order(opt)):
+            if _tp_replicated(model_param):
+                states = opt._get_main_param_and_optimizer_states(model_param)
+                for key, t in sorted(states.items()):  # (a loaded state's order differs)
+                    if isinstance(t, torch.Tensor):
+                        out[f"opt{oi}.p{pi}.{key}"] = t
+    return out
+
+
+def load_tp_replicated_state(model_chunks, optimizer, saved: Dict[str, torch.Tensor]) -> None:
+    """Put ``tp_replicated_state`` back: model params, then main params and optimizer state
+    (through the optimizer's own setter). ValueError, with nothing changed, when the names,
+    shapes or dtypes are not this rank's."""
+    def layout(tensors):
+        return {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
+
+    mine, theirs = layout(tp_replicated_state(model_chunks, optimizer)), layout(saved)
+    if mine != theirs:
+        k = sorted(mine.keys() ^ theirs.keys()) or [k for k in mine if mine[k] != theirs[k]]
+        raise ValueError(f"{len(theirs)} saved tensors, {len(mine)} here, first differing: "
+                         f"{k[0]} (another layout or optimizer state)")
+    with torch.no_grad():
+        for ci, chunk in enumerate(model_chunks):
+            for name, p in chunk.named_parameters():
+                if _tp_replicated(p):
+                    p.data.copy_(saved[f"chunk{ci}.{name}"])
+        for oi, opt in enumerate(distributed_optimizers(optimizer)):
+            for pi, model_param in enumerate(_model_params_in_shard_order(opt)):
+                if _tp_replicated(model_param):
+                    prefix = f"opt{oi}.p{pi}."
+                    opt._set_main_param_and_optimizer_states(model_param, {
+                        k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)})
 
 
 def copy_main_params_to_model(optimizer, model_chunks) -> None:

@@ -202,7 +202,7 @@ class Joined(Session):
         self.state = MegatronTrainState(self.args)
         import megatron.training.training as training_module
 
-        self.adapters.checkpoints.wrap(training_module, after_save=self._save_rng)
+        self.adapters.checkpoints.wrap(training_module, after_save=self._save_exact)
         self.adapters.iterators.wrap(training_module)
         self._wrap_train(training_module)
         self.handle.attach(model=model, optimizer=optimizer, scheduler=scheduler,
@@ -210,8 +210,9 @@ class Joined(Session):
         # restored here: a promoted spare, or every rank of --deadpool-resume
         self._rng_pending = self.handle.restored_meta is not None
         if not self._rng_pending and getattr(self.args, "load", None) and self.args.iteration:
-            self._loaded_rng = exact_resume.load(self.args.load, self.args.iteration,
-                                                 self.handle.rank, self.handle.world_size)
+            self._loaded_rng = exact_resume.load(  # its tensors now, its RNG at the start
+                self.args.load, self.args.iteration, self.handle.rank, self.handle.world_size,
+                model, optimizer, self.args.tensor_model_parallel_size)
         if self._rng_pending:
             self.adapters.iterators.restored()  # pretrain() builds them next, as restored
             self._arm_redos()
@@ -314,13 +315,16 @@ class Joined(Session):
         train._deadpool_session = self
         training_module.train = train
 
-    def _save_rng(self, iteration: int) -> None:
-        """Beside each ``--save``: this rank's RNG states (adapters/exact_resume.py)."""
+    def _save_exact(self, iteration: int) -> None:
+        """Beside each ``--save``: what the checkpoint lacks for an exact resume, this rank's
+        RNG states and tensor-parallel copies (adapters/exact_resume.py)."""
         from ..adapters import cpu_mode
 
         if getattr(self.args, "save", None):
             exact_resume.save(self.args.save, iteration, self.handle.rank,
-                              self.handle.world_size, with_cuda=not cpu_mode.is_enabled())
+                              self.handle.world_size, not cpu_mode.is_enabled(),
+                              self.built.model, self.built.optimizer,
+                              self.args.tensor_model_parallel_size)
 
     def _reapply_rng(self) -> None:
         if self.handle.restored_meta is not None:
