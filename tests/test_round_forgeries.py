@@ -254,7 +254,12 @@ def test_fuzzed_rounds_finish_right_or_stop_naming_forgery():
     had already stopped naming the forgery (the job stops with that one's message)."""
     rng = random.Random(49)
     finished = stopped = 0
-    for trial in range(30):
+    # The forger's draws follow the threads' interleaving, so how many trials end in a stop
+    # varies from run to run: trials go on (30 at least, 120 at most) until both outcomes
+    # were seen often enough. Every trial's outcome is checked either way.
+    for trial in range(120):
+        if trial >= 30 and finished > 20 and stopped > 5:
+            break
         world = rng.randint(2, 5)
         invs = _random_inventories(rng, world)
         try:
@@ -273,7 +278,7 @@ def test_fuzzed_rounds_finish_right_or_stop_naming_forgery():
             elif want is None:
                 assert isinstance(g, NoCommittedStateError) and str(g) == lost, (trial, r, g)
             else:
-                assert not isinstance(g, Exception), (trial, r, type(g).__name__, g)
+                assert not isinstance(g, Exception), (trial, r, [repr(x)[:120] for x in got])
                 assert g[0].iteration == want.iteration, (trial, r)
                 assert g[0].sources.get(r) == want.sources.get(r), (trial, r)
                 assert g[0].serves(r) == want.serves(r), (trial, r)
