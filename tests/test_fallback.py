@@ -155,6 +155,21 @@ def test_stale_files_of_another_run_are_never_mixed_in(tmp_path):
         persist.resume_candidates(saved, (2, 1, 1, 2))
 
 
+def test_every_generation_draws_the_same_run_id():
+    """A spare promoted in generation 1 reads the launch's store under one more prefix than
+    a rank of generation 0 (torch's default_pg over the generation's): it once drew a run id
+    of its own, so after a swap the no-spare stop's files split over two runs and no
+    iteration was complete (issue 50, found under ft_launcher)."""
+    from torch.distributed import HashStore, PrefixStore
+
+    launch = HashStore()
+    gen0 = PrefixStore("default_pg", PrefixStore("gen0", launch))
+    gen1 = PrefixStore("default_pg", PrefixStore("gen1", PrefixStore("job", launch)))
+    first = persist.run_id(gen0)
+    assert persist.run_id(gen1) == first == persist.run_id(launch)
+    assert len(first) == 16 and persist.run_id(HashStore()) != first
+
+
 def test_a_complete_iteration_of_another_layout_is_not_resumed(tmp_path):
     for r in range(4):
         m = _FakeMirror(r)

@@ -54,9 +54,14 @@ class Manifest:
 
 def run_id(store) -> str:
     """This launch's run id: drawn by the first rank that asks, read by every other (one
-    ``compare_set`` in the launch's store, which outlives the generations)."""
+    ``compare_set`` in the launch's store, which outlives the generations). ``store`` may be
+    a generation's prefix of it, at any depth: a spare promoted in generation g sees the
+    launch's store under more prefixes than a rank of generation 0 (its files were written
+    under another run id, and no iteration was complete)."""
     import secrets
 
+    while getattr(store, "underlying_store", None) is not None:
+        store = store.underlying_store
     return store.compare_set(RUN_ID_KEY, "", secrets.token_hex(8)).decode()
 
 

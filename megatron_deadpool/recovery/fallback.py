@@ -43,5 +43,4 @@ class Fallback:
 def _run_id() -> str:
     from torch.distributed import distributed_c10d as c10d
 
-    store = c10d._get_default_store()  # the generation's: a prefix of the launch's
-    return persist.run_id(getattr(store, "underlying_store", store))
+    return persist.run_id(c10d._get_default_store())  # the generation's: prefixes of the launch's
