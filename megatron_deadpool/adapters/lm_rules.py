@@ -16,15 +16,18 @@ SUPPORTED_MEGATRON = ("0.16.1",)
 
 
 # ---------------------------------------------------------------------------- pure checks
-def unsupported_args(args) -> List[str]:
+def unsupported_args(args, ft_launcher: bool = False) -> List[str]:
     """Megatron-LM settings that ``--deadpool`` v1 refuses, each with the reason. Pure:
-    a function of the parsed arguments only."""
+    a function of the parsed arguments, and of ``ft_launcher``: whether NVRx's ft_launcher
+    runs ``deadpool launch`` (``--enable-ft-package`` needs it: ``adapters/ft_package.py``)."""
     g = lambda name, default=None: getattr(args, name, default)  # noqa: E731
     rules = [
         (g("inprocess_restart"), "--inprocess-restart (NVRx in-process restart): both would "
          "own the recovery of the same failure; use one of them"),
-        (g("enable_ft_package"), "--enable-ft-package (NVRx fault-tolerance package): it "
-         "restarts the job on a failure that DeadPool recovers in place"),
+        (g("enable_ft_package") and not ft_launcher, "--enable-ft-package (NVRx fault-"
+         "tolerance package) needs NVRx's ft_launcher to run deadpool launch (ft_launcher "
+         "--nproc-per-node 1 ... deadpool launch ...): it restarts the job when DeadPool "
+         "stops, DeadPool swaps the ranks"),
         (not g("use_distributed_optimizer"), "training without --use-distributed-optimizer "
          "(DeadPool mirrors distributed-optimizer shards)"),
         (g("async_save") and g("async_strategy") == "nvrx", "--async-save with --async-"
@@ -67,7 +70,7 @@ def unsupported_args(args) -> List[str]:
     return [why for bad, why in rules if bad]
 
 
-def unsupported_argv(argv: List[str]) -> List[str]:
+def unsupported_argv(argv: List[str], ft_launcher: bool = False) -> List[str]:
     """``unsupported_args`` on a raw Megatron-LM command line, for ``deadpool launch`` to
     refuse before any worker starts (the workers check the fully parsed arguments again)."""
     import argparse
@@ -90,7 +93,7 @@ def unsupported_argv(argv: List[str]) -> List[str]:
     p.add_argument("--rampup-batch-size", nargs="*", default=None)
     p.add_argument("--phase-transition-iterations", default=None)
     ns, _ = p.parse_known_args(argv)
-    return unsupported_args(ns)
+    return unsupported_args(ns, ft_launcher)
 
 
 def check_installed_megatron_core() -> None:

@@ -25,7 +25,7 @@ from typing import Dict, List, Optional
 
 from . import peer_log
 from .peer_inject import CpuProbe, Injector
-from .peer_systems import NODE_TAG, SYSTEMS, PeerJob, run_system
+from .peer_systems import DEADPOOL_SYSTEMS, NODE_TAG, SYSTEMS, PeerJob, run_system
 
 REPO = Path(__file__).resolve().parents[2]
 # the job of tests/test_megatron_lm_train.py: TP2 x PP2 x DP2 on 4 nodes x 2
@@ -113,7 +113,7 @@ def one_run(system: str, job: PeerJob, work: str, kill: Optional[dict], echo=Non
         return _reread(work, job.train_iters)
     injector, probe = None, None
     if kill is not None:
-        key = "DEADPOOL_NODE" if system == "deadpool" else NODE_TAG
+        key = "DEADPOOL_NODE" if system in DEADPOOL_SYSTEMS else NODE_TAG
         injector = Injector(kill["iter"], key, rank=kill["rank"])
     else:  # the failure-free run's CPU, from after the warm-up to before the last save
         probe = CpuProbe((CPU_FROM_ITER, job.train_iters - 1))

@@ -9,6 +9,10 @@ job (docs/peers.md), and one run of it under the shared injector (``peer_inject`
   ``save_interval`` iterations.
 * ``nvrx-local``: the same launchers, with local checkpoints replicated to the next node
   (``--non-persistent-ckpt-type local --replication``) every ``save_interval``.
+* ``deadpool-nvrx``: NVRx's ``ft_launcher`` runs ``deadpool launch`` with no spare node
+  (the spares exhausted), ``--enable-ft-package`` and a fallback save: the kill stops
+  DeadPool, which writes what memory holds, and ``ft_launcher`` restarts the same command,
+  which resumes from it (``launch/nvrx.py``).
 * ``relaunch``: one ``torchrun`` per node; when any node's launcher fails, the whole job is
   killed and started again with ``--load`` (what ``sbatch --requeue`` or a relaunch loop
   does, with failure detection taken as immediate).
@@ -32,7 +36,8 @@ from ..launch.options import free_port
 from ..megatron import tree as mlm_tree
 from .peer_inject import CpuProbe, Injector, RunLogWriter, kill_all, tagged
 
-SYSTEMS = ("deadpool", "nvrx", "nvrx-local", "relaunch")
+SYSTEMS = ("deadpool", "nvrx", "nvrx-local", "relaunch", "deadpool-nvrx")
+DEADPOOL_SYSTEMS = ("deadpool", "deadpool-nvrx")  # their workers carry DEADPOOL_NODE
 NODE_TAG = "PEERS_NODE"
 
 
@@ -61,6 +66,9 @@ def system_flags(system: str, job: PeerJob, ck: str, local: str) -> List[str]:
     every = ["--save", ck, "--load", ck, "--save-interval", str(job.save_interval)]
     if system == "deadpool":
         return ["--log-interval", "1", "--deadpool", *last]
+    if system == "deadpool-nvrx":  # the restartable form: the same flags at every restart
+        return ["--log-interval", "1", "--deadpool", "--enable-ft-package", *last,
+                "--load", ck, "--deadpool-fallback-save", local, "--deadpool-resume", local]
     if system == "nvrx":
         return ["--log-interval", "1", "--enable-ft-package", *every]
     if system == "nvrx-local":
@@ -84,11 +92,18 @@ def node_commands(system: str, job: PeerJob, argv: List[str], port: int
     """(command, extra environment) of each process the system starts, one per node
     (DeadPool: one launcher that simulates every node)."""
     n, p = job.nodes, job.procs_per_node
-    if system == "deadpool":
-        return [([job.python, "-m", "megatron_deadpool.apps.cli", "launch", "--nodes", str(n),
-                  "--procs-per-node", str(p), "--spare-nodes", str(job.spares), "--device",
-                  "cpu", "--master-port", str(port), "--script", job.script, "--", *argv],
-                 {})]
+    if system in DEADPOOL_SYSTEMS:
+        spares = job.spares if system == "deadpool" else 0
+        head = [job.python, "-m", "megatron_deadpool.apps.cli", "launch", "--nodes", str(n),
+                "--procs-per-node", str(p), "--spare-nodes", str(spares), "--device", "cpu"]
+        tail = ["--script", job.script, "--", *argv]
+        if system == "deadpool":
+            return [([*head, "--master-port", str(port), *tail], {})]
+        launch = [*head, *tail]  # a restart picks its own ports
+        ft = os.path.join(os.path.dirname(job.python), "ft_launcher")
+        return [([ft, "--nnodes=1", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                  f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=peers", "--max-restarts=3",
+                  "--no-python", *launch], {})]
     if system in ("nvrx", "nvrx-local"):
         ft = os.path.join(os.path.dirname(job.python), "ft_launcher")
         base = [ft, f"--nnodes={n}:{n + job.spares}", f"--nproc-per-node={p}",

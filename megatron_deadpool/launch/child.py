@@ -73,9 +73,11 @@ def _prepare(device: Optional[str]):
         from ..adapters import async_saves
 
         async_saves.cpu_writer()  # --async-save's writer process: the CPU layer on too
+    from ..adapters import ft_package
     from ..megatron import lm
 
     lm.capture_setup()
+    ft_package.hand_to_launcher()  # under ft_launcher: NVRx's client is deadpool launch
     return lm
 
 

@@ -28,6 +28,7 @@ from ..recovery.phases import EventSink
 from ..base.worker_env import WorkerEnv
 from .agent import STOP_GRACE_S, NodeAgent, WorkerSpec
 from .fault_driver import FaultDriver
+from .nvrx import Nvrx, resume_or_load, worker_env
 from .options import LaunchOptions, free_port, validate, worker_command, worker_specs
 from .slurm_drain import watch_this_node
 from .summary import build_summary
@@ -53,6 +54,11 @@ class Job:
     env: WorkerEnv = field(default_factory=WorkerEnv)
     joined: bool = False  # a spare node that joined a running job (--join-as-spare)
     stop_reason: Optional[str] = None  # the coordinator's shutdown message, once seen
+    nvrx: Optional[Nvrx] = None  # NVRx's rank-monitor client, under ft_launcher
+
+    def beat(self) -> None:
+        if self.nvrx is not None:
+            self.nvrx.beat()
 
     @property
     def hosts_store(self) -> bool:
@@ -68,7 +74,10 @@ def run(opts: LaunchOptions, out=sys.stdout) -> dict:
         say("warning: --spare-nodes ignored: spares are only started with --deadpool")
     if opts.join_as_spare:
         return _join_as_spare(opts, cfg, say, out)
+    if opts.script and cfg.enabled:  # a restart under ft_launcher: the fallback or --load
+        opts.trainer_argv = resume_or_load(opts.trainer_argv, opts.world_size, say)
     job = _setup(opts, cfg, faults, say, out)
+    job.nvrx = Nvrx.connect(say) if cfg.enabled else None
     t0 = time.time()
     say(f"{opts.nodes} node(s) x {opts.procs_per_node} + {opts.spare_nodes if cfg.enabled else 0}"
         f" spare node(s); world size {opts.world_size}; results in {job.env.results_dir}")
@@ -91,6 +100,8 @@ def run(opts: LaunchOptions, out=sys.stdout) -> dict:
             slurm.stop()
         _wind_down(job)
         restore()
+        if job.nvrx is not None:
+            job.nvrx.close()
     codes = {lid: code for a in job.agents for lid, code in a.exit_codes.items()}
     summary = build_summary(opts, cfg, job.env.results_dir, job.decider, codes,
                             job.failed, time.time() - t0,
@@ -164,6 +175,7 @@ def _setup(opts: LaunchOptions, cfg, faults, say, out) -> Job:
             job.coord.check_secret(cfg.rendezvous_timeout_s)  # wrong token: start nothing
     base_env = {k: v for k, v in os.environ.items() if k not in WorkerEnv.variables()}
     base_env.update({"DEADPOOL_TOKEN": token, "PYTHONUNBUFFERED": "1"})
+    base_env = worker_env(base_env)  # NVRx's sockets stay with this launcher
     if opts.script:
         from ..megatron import tree
 
@@ -272,6 +284,7 @@ def _supervise(job: Job) -> None:
                 return
         if not any(a.alive() for a in job.agents):
             return
+        job.beat()
         time.sleep(0.02)
 
 
@@ -314,6 +327,7 @@ def _wind_down(job: Job) -> None:
         deadline = time.time() + (max(10.0, job.cfg.rendezvous_timeout_s)
                                   if job.cfg.fallback_save_dir else 10.0)
         while any(a.alive() for a in job.agents) and time.time() < deadline:
+            job.beat()  # the survivors write the fallback save: NVRx keeps waiting
             time.sleep(0.05)
     for a in job.agents:  # one grace for all the nodes, not one per node in turn
         a.ask_to_stop()

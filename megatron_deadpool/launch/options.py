@@ -140,7 +140,9 @@ def validate(opts: LaunchOptions):
             from ..base.errors import UnsupportedConfigError
             from ..adapters.lm_rules import unsupported_argv
 
-            bad = unsupported_argv(opts.trainer_argv)
+            from .nvrx import under_ft_launcher
+
+            bad = unsupported_argv(opts.trainer_argv, under_ft_launcher())
             if bad:
                 raise UnsupportedConfigError("--deadpool does not support: " + "; ".join(bad))
     faults = fault_schedule.parse_schedule(opts.inject)

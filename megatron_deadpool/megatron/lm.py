@@ -38,7 +38,7 @@ from ..base.config import DeadpoolConfig, add_deadpool_args
 from ..base.errors import ConfigError, UnsupportedConfigError
 from ..adapters.quiet import CollectiveSuppressor
 from ..adapters import async_saves, cadence, ddp, tags, training_globals
-from ..adapters import exact_resume
+from ..adapters import exact_resume, ft_package
 from ..adapters.checkpoints import CheckpointContexts
 from ..adapters.evaluation import Evaluations
 from ..adapters.iterators import PretrainIterators
@@ -364,7 +364,7 @@ def join(args) -> Session:
 
     tag = tags.patched_tag(os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.abspath(training.__file__)))))
-    bad = unsupported_args(args)
+    bad = unsupported_args(args, ft_package.launcher_is_client())
     if bad:
         raise UnsupportedConfigError("--deadpool does not support: " + "; ".join(bad))
     from .. import api
