@@ -123,7 +123,7 @@ def test_the_abort_wakes_the_mirrors_own_connections(monkeypatch):
     from megatron_deadpool.recovery import abort as ab
     from megatron_deadpool.recovery.world import World
 
-    monkeypatch.setattr(ab, "abort_communicators", lambda backend, port: {})
+    monkeypatch.setattr(ab, "abort_communicators", lambda backend, port, only=None: {})
     w = World("gloo", 1, 10.0, 10.0, emit=lambda *a, **k: None)
     woken = []
     w.on_abort = lambda: woken.append(1)

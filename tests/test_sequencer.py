@@ -99,9 +99,18 @@ class FakeWorld:
         self.formed = []
         self.mp_kwargs = None
 
-    def init_process_group(self, store, gen, rank, world_size):
+    def init_process_group(self, store, gen, rank, world_size, plan=None):
         self.formed.append(gen)
         self.aborted = False
+
+    def take_dropped(self):
+        return []
+
+    def kept(self):
+        return set()
+
+    def retire(self):
+        pass
 
     def build_groups(self, mp_kwargs=None):
         if mp_kwargs is not None:

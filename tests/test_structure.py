@@ -35,7 +35,7 @@ LAYERS = [
                   "tags", "evaluation", "async_saves", "cadence", "groups", "ft_package"]),
     ("recovery", ["phases", "classify", "abort", "reaper", "rebind", "restore", "shared_groups",
                   "stall", "world", "gloo_waits", "fault_points", "formation", "alarms",
-                  "fallback", "boundary", "counting"]),
+                  "fallback", "boundary", "counting", "group_ops", "repair"]),
     ("control", ["holders", "link", "attachment", "steps", "runtime"]),
     ("", ["api"]),
     ("megatron", ["lm", "tree"]),

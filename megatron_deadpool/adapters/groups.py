@@ -4,7 +4,7 @@ an abort, the role of each group (the global that holds it, so that every holder
 can be pointed at the next generation's group of the same role), and the data-parallel
 size the mirror's shard layout needs.
 
-    initialize(**kwargs) ─► roles() / group_of(role) ... ─► destroy()
+    initialize(**kwargs) ─► roles() / group_of(role) ... ─► destroy() | forget()
 """
 
 from __future__ import annotations
@@ -26,6 +26,26 @@ def destroy() -> None:
     except ImportError:
         return
     ps.destroy_model_parallel()
+
+
+def forget() -> None:
+    """Forget megatron's groups (its globals) but destroy none of them: a recovery keeps
+    the unbroken ones (recovery/repair.py), and destroys the others itself."""
+    try:
+        from megatron.core import parallel_state as ps
+    except ImportError:
+        return
+    import torch.distributed as dist
+
+    destroy, dist.destroy_process_group = dist.destroy_process_group, _destroy_nothing
+    try:
+        ps.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group = destroy
+
+
+def _destroy_nothing(group=None) -> None:
+    """``destroy_process_group`` while megatron forgets its groups (``forget``)."""
 
 
 def data_parallel_size() -> int:

@@ -16,6 +16,18 @@
                                                                membership store's main connection
     messages, bytes   mirror/transport_api.py (the backends)   the mirror's sends, receives and
                                                                collectives (inventory, commits)
+    groups_kept,      recovery/repair.py (a survivor's         groups a recovery kept (no member
+    kept_members      replay)                                  failed, every account agreed),
+                                                               their sizes summed
+    groups_rebuilt,   repair.py; world.py (the default group)  groups a survivor made again: a
+    rebuilt_members,                                           member failed, or (also counted
+    rebuilt_connec-                                            as rebuilt_unsettled) an operation
+    tions, rebuilt_                                            was in flight; sizes summed, and
+    unsettled, un-                                             their gloo connections (size - 1;
+    settled_connec-                                            unsettled_connections: those of
+    tions                                                      the groups no member of died)
+    groups_shrunk,    (NCCL's shrink: not used yet, always 0   communicators shrunk in place
+    shrunk_members    on gloo)
 
 ``PhaseTimer`` (recovery/phases.py) takes a ``snapshot`` when a phase begins and adds the
 ``delta`` to that phase when it ends, so a recovery's report carries, per phase, what this
@@ -28,7 +40,9 @@ import threading
 from typing import Dict, Mapping
 
 KINDS = ("new_group_calls", "groups_created", "group_members", "connections", "store_ops",
-         "messages", "bytes")
+         "messages", "bytes", "groups_kept", "kept_members", "groups_rebuilt",
+         "rebuilt_members", "rebuilt_connections", "rebuilt_unsettled",
+         "unsettled_connections", "groups_shrunk", "shrunk_members")
 
 _lock = threading.Lock()
 _tally: Dict[str, int] = dict.fromkeys(KINDS, 0)

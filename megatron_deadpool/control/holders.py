@@ -45,6 +45,11 @@ class GroupHolders:
         ddp.drop_pending(self._model or ())  # bucket handles on the dead groups: never waited
         self.reaper.drop(held + list(old))
 
+    def drop(self, old: list) -> None:
+        """Groups no holder uses any more (a recovery's replay did not keep them): they die
+        on the reaper thread."""
+        self.reaper.drop(list(old))
+
     def rebind(self, audit, old_groups) -> Optional[dict]:
         """Point every holder at the new generation's groups; then audit the rebind
         (``--deadpool-audit``): its event's fields, or None (nothing attached yet: none)."""

@@ -76,7 +76,8 @@ class Step:
 
 class Abort(Step):
     """Every communicator of the failed generation aborted, the mirror thread stopped, the
-    world destroyed; the old groups die on the reaper thread (reaper.py)."""
+    world retired (on gloo the unbroken groups stay for the replay: recovery/repair.py);
+    the old groups die on the reaper thread (reaper.py)."""
 
     phase = Phase.ABORT
 
@@ -88,7 +89,7 @@ class Abort(Step):
         drop_traceback(a.cause)
         if self.config.audit is Audit.FULL:
             a.old_groups = weak_groups(all_process_groups())
-        self.world.destroy()
+        self.world.retire()
         self.holders.release(self.links.release())  # they die on the reaper thread
         return a
 
@@ -124,6 +125,8 @@ class RebuildGroups(Step):
             return a
         self.fault_point(a)
         self.world.build_groups()
+        self.holders.drop(self.world.take_dropped())  # not kept; the old default
+        a.old_groups = still_old(a.old_groups, self.world.kept())
         self.world.set_collective_timeouts()  # before the mirror's group: it has its own
         audit = self.holders.rebind(self.config.audit, a.old_groups)
         self.att.use(self.links.connect(self.state().plan))
@@ -169,6 +172,21 @@ class RestoreState(Step):
             a.state_from = "buddy" if got is None else "direct"
         a.restored = self.att.restore(state.rank, self.links.current)
         return a
+
+
+def still_old(old_groups, kept: set):
+    """Of the weak references taken at the abort (``--deadpool-audit full``), those of the
+    groups that must die: all but the ones the replay kept (``kept``: their ids;
+    recovery/repair.py), which stay alive and are no leak."""
+    if not old_groups:
+        return old_groups
+    out = []
+    for ref in old_groups:
+        g = ref()
+        if g is None or id(g) not in kept:
+            out.append(ref)
+        del g
+    return out
 
 
 SURVIVOR: Seq[Type[Step]] = (Abort, Rendezvous, RebuildGroups, RestoreState)

@@ -134,12 +134,17 @@ def comm_socket_fds(keep_ports: Iterable[int], owned: Iterable[int]) -> List[int
     return sorted(fds)
 
 
-def shutdown_gloo_connections(store_port: int) -> int:
-    """Shut down the communicators' TCP connections in this process. Returns how many."""
+def shutdown_gloo_connections(store_port: int, only: Optional[Set[int]] = None,
+                              with_store: bool = True) -> int:
+    """Shut down the communicators' TCP connections in this process (``only``: those of
+    these inodes, the groups that will not be kept: repair.py), and (``with_store``) the
+    generation's store connection. Returns how many."""
     n = 0
     with _owned_lock:
-        store_fds = [fd for inode, fd in socket_inodes().items() if inode in _gen_store]
-    for fd in comm_socket_fds([store_port], owned_socket_inodes()) + store_fds:
+        store_fds = [fd for inode, fd in socket_inodes().items()
+                     if inode in _gen_store and with_store]
+    owned = owned_socket_inodes() if only is None else owned_socket_inodes() & set(only)
+    for fd in comm_socket_fds([store_port], owned) + store_fds:
         try:
             s = socket.socket(fileno=os.dup(fd))
         except OSError:
@@ -191,14 +196,16 @@ def all_process_groups() -> list:
     return list(c10d._world.pg_map.keys())
 
 
-def abort_communicators(backend: str, store_port: Optional[int]) -> dict:
-    """Abort all communicators of this process for the given backend."""
+def abort_communicators(backend: str, store_port: Optional[int],
+                        only: Optional[Set[int]] = None) -> dict:
+    """Abort all communicators of this process for the given backend (``only``: on gloo,
+    shut down only the connections of these socket inodes)."""
     info = {"backend": backend}
     if backend == "nccl":
         info["errors"] = abort_nccl_groups(all_process_groups())
     if store_port is not None:
         # gloo groups exist under NCCL too (megatron's *_GLOO groups, the mirror group).
-        info["gloo_connections_shut"] = shutdown_gloo_connections(store_port)
+        info["gloo_connections_shut"] = shutdown_gloo_connections(store_port, only)
     return info
 
 

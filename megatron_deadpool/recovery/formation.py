@@ -43,7 +43,7 @@ def form_world(plan: Plan, adopt: Callable[[Plan], int], member, world, timeout_
             plan = member.wait_for_plan(plan.gen + 1, timeout_s, moved)
             continue
         try:
-            world.init_process_group(member.store, plan.gen, rank, plan.world_size)
+            world.init_process_group(member.store, plan.gen, rank, plan.world_size, plan=plan)
             if with_groups:
                 world.build_groups()
             return plan

@@ -35,12 +35,15 @@ import queue
 import threading
 from typing import Dict, Optional, Set
 
+from . import group_ops
+
 ABANDONED = "gloo wait abandoned at the abort: communicator was aborted"
 WAITER = "deadpool-gloo-wait"
 # the blocking-capable collectives Megatron-LM and this package call on gloo groups
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base",
                "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "reduce",
-               "all_to_all_single", "barrier")
+               "all_to_all_single", "barrier", "reduce_scatter", "gather", "scatter",
+               "all_to_all")
 
 
 class _Box:
@@ -49,10 +52,10 @@ class _Box:
     hand-back the standard library has (an Event is a Condition over a lock: several times
     the work per wait, paid on every gloo operation)."""
 
-    __slots__ = ("work", "done", "finished", "abandoned", "error", "waiter")
+    __slots__ = ("work", "done", "finished", "abandoned", "error", "waiter", "ops")
 
-    def __init__(self, work, waiter):
-        self.work, self.waiter = work, waiter
+    def __init__(self, work, waiter, ops=None):
+        self.work, self.waiter, self.ops = work, waiter, ops  # ops: its group's tally
         self.done = _thread.allocate_lock()
         self.done.acquire()
         self.finished = self.abandoned = False
@@ -81,6 +84,8 @@ class _Waiter:
                 return
             try:
                 box.work.wait()
+                if box.ops is not None:  # finished in gloo, even if the caller was woken
+                    box.ops.done()       # by the abort first (group_ops.py)
             except BaseException as exc:  # noqa: BLE001 - handed to the thread that waits
                 box.error = exc
             box.finish()
@@ -98,14 +103,19 @@ _epoch = 0  # aborts so far: a work made before the last one is never waited on 
 class AbortableWork:
     """A gloo operation's work whose ``wait`` the abort can end."""
 
-    def __init__(self, work):
+    def __init__(self, work, ops: Optional[group_ops.Ops] = None):
         while isinstance(work, AbortableWork):  # wrapped twice: wait on the real one
             work = work._work
         self._work, self._box, self._epoch = work, None, _epoch
+        self._ops = ops  # its group's tally (group_ops.py): done once it finished
 
     def wait(self, timeout=None) -> bool:
         if threading.current_thread().name == WAITER:  # never queue behind oneself
-            return self._work.wait()
+            self._work.wait()
+            self._ops, ops = None, self._ops
+            if ops is not None:
+                ops.done()
+            return True
         if self._box is None:
             me = threading.get_ident()
             with _lock:
@@ -114,7 +124,8 @@ class AbortableWork:
                 waiter = _waiters.get(me)
                 if waiter is None:
                     waiter = _waiters[me] = _Waiter()
-                box = self._box = _Box(self._work, waiter)
+                box = self._box = _Box(self._work, waiter, self._ops)
+                self._ops = None  # the waiter accounts for it
                 _pending.add(box)
                 waiter.q.put(box)
         box = self._box
@@ -185,13 +196,30 @@ def _mark(wrapper, orig):
 
 
 def _abortable_p2p(orig):
+    names = list(inspect.signature(orig).parameters)[1:]  # (dst|src, group, tag, group_*)
+    send = orig.__name__ == "isend"
+
     def p2p(tensor, *args, **kwargs):
         work = orig(tensor, *args, **kwargs)
         if work is None or tensor.device.type != "cpu" or isinstance(work, AbortableWork):
             return work
-        return AbortableWork(work)
+        arguments = dict(zip(names, args))
+        arguments.update(kwargs)
+        return AbortableWork(work, _p2p_issued(arguments, send))
 
     return _mark(p2p, orig)
+
+
+def _p2p_issued(arguments: dict, send: bool) -> Optional[group_ops.Ops]:
+    """The tally of a message to or from a peer (its global rank) on its group."""
+    import torch.distributed as dist
+
+    group = arguments.get("group")
+    peer = arguments.get("dst" if send else "src")
+    if peer is None:
+        local = arguments.get("group_dst" if send else "group_src")
+        peer = dist.get_global_rank(group, local) if local is not None else None
+    return group_ops.issued(group, peer, send) if peer is not None else None
 
 
 def _on_gloo(arguments: dict) -> bool:
@@ -227,7 +255,9 @@ def _abortable(orig):
         work = orig(*args, **kwargs)
         if work is None or type(work).__name__ == "_IllegalWork":  # not a member; coalescing
             return None if blocking else work
-        work = AbortableWork(work)
+        if not isinstance(work, AbortableWork):  # not wrapped (and counted) further in:
+            # on CPU the device mode's __torch_function__ calls this wrapper again
+            work = AbortableWork(work, group_ops.issued(arguments.get("group")))
         if not blocking:
             return work
         work.wait()
@@ -269,8 +299,8 @@ def _abortable_coalescing(orig):
             return
         with orig(group=group, device=device, async_ops=True) as cm:
             yield cm
-        cm.works[:] = [w if w is None or isinstance(w, AbortableWork) else AbortableWork(w)
-                       for w in cm.works]
+        cm.works[:] = [w if w is None or isinstance(w, AbortableWork)
+                       else AbortableWork(w, group_ops.issued(group)) for w in cm.works]
         if not async_ops:
             cm.wait()
             cm.works.clear()

@@ -27,7 +27,7 @@ from ..adapters import groups
 from ..base.sections import LOPSIDED_SECTIONS
 from ..base.vocabulary import Event
 from . import abort as ab
-from . import counting, gloo_waits
+from . import counting, gloo_waits, repair
 from .shared_groups import shared_gloo_groups
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,13 @@ class World:
         self._lock = threading.Lock()
         # what else an abort must wake: the mirror's own connections (control/link.py)
         self.on_abort: Callable[[], None] = _nothing
+        # a gloo world keeps the groups a failure did not break (repair.py; off with
+        # DEADPOOL_REBUILD_ALL=1: every group is made again, as before issue 51)
+        self.keep = backend == "gloo" and os.environ.get("DEADPOOL_REBUILD_ALL") != "1"
+        self.book = repair.Book()         # the last complete build's groups
+        self.plan = None                  # the plan of the generation formed last
+        self.dropped: list = []           # groups no longer used, for the reaper
+        self._default_sockets: set = set()
         counting.install()  # every group creation, counted (base/counts.py)
         if backend == "gloo":
             gloo_waits.install()  # a wait the socket shutdown does not reach: the abort ends it
@@ -95,10 +102,13 @@ class World:
         connections, which are not the communicators' (control/link.py)."""
         self.on_abort = wake
 
-    def init_process_group(self, store, gen: int, rank: int, world_size: int) -> None:
+    def init_process_group(self, store, gen: int, rank: int, world_size: int,
+                           plan=None) -> None:
         """Bounded by ``form_timeout_s(gen)`` while the world forms (a peer that dies now
         must not hold everyone for the collective timeout); ``set_collective_timeouts``
-        raises it once the groups exist."""
+        raises it once the groups exist. ``plan``: the plan being formed (the replay's
+        votes need its processes and failed ranks). A survivor that keeps groups replaces
+        only the default group (``repair.forget_default``)."""
         import torch.distributed as dist
 
         if self.backend == "nccl":
@@ -106,15 +116,33 @@ class World:
                 log.warning("%s=%s would let a dead peer take this process down; using %s "
                             "(CleanUpOnly)", var, old, NCCL_ASYNC_ERROR_HANDLING)
         self._form_timeout_s = self.form_timeout_s(gen)
+        self.plan = plan
+        old = self._forget_default() if self.keep and dist.is_initialized() else None
+        if self.keep:
+            repair.name_next(gen, repair.DEFAULT_AT)  # alike on every rank
         store = ab.generation_store(store)  # a group creation's store wait ends at the abort
+        before = set(ab.socket_inodes())
         with ab.communicator_sockets():  # the abort shuts these down, and only these
             dist.init_process_group(backend=self.backend, store=dist.PrefixStore(
                 f"gen{gen}/", counting.generation_store(store)), rank=rank,
                 world_size=world_size, timeout=timedelta(seconds=self._form_timeout_s))
+        self._default_sockets = set(ab.socket_inodes()) - before
         counting.count_group(self.backend, world_size)
+        if old is not None:  # a survivor: the default group is one of the dead ranks'
+            repair._count_rebuilt(world_size, unsettled=False)
         with self._lock:
             self._live_gen = gen
             self.aborted = False
+
+    def _forget_default(self):
+        """The old default group, out of torch's registry, its connections shut; the
+        reaper takes it with the replay's dropped groups."""
+        ab.shutdown_gloo_connections(self.store_port, self._default_sockets,
+                                     with_store=False)
+        old = repair.forget_default()
+        if old is not None:
+            self.dropped.append(old)
+        return old
 
     def form_timeout_s(self, gen: int) -> float:
         """The timeout generation ``gen``'s communicators are created with. On a gloo world
@@ -140,9 +168,49 @@ class World:
         kwargs = dict(self.mp_kwargs or {})
         kwargs["distributed_timeout_minutes"] = self._form_timeout_s / 60
         timeout = timedelta(minutes=kwargs["distributed_timeout_minutes"])  # megatron's own
-        with shared_gloo_groups(self.backend, timeout) as shared, ab.communicator_sockets():
-            groups.initialize(**kwargs)
-        log.debug("model-parallel groups built; %d gloo group(s) shared", shared[0])
+        if not self.keep:
+            with shared_gloo_groups(self.backend, timeout) as shared, \
+                    ab.communicator_sockets():
+                groups.initialize(**kwargs)
+            log.debug("model-parallel groups built; %d gloo group(s) shared", shared[0])
+            return
+        replay = self._replay()
+        try:
+            with repair.repairing(replay), shared_gloo_groups(self.backend, timeout), \
+                    ab.communicator_sockets():
+                groups.initialize(**kwargs)
+        except BaseException:
+            self.book = repair.Book()  # half built: the next recovery destroys everything
+            raise
+        dropped = replay.dropped()
+        repair.drop(dropped, self.book, self.store_port)
+        self.dropped.extend(dropped)
+        self.book = replay.new
+
+    def _replay(self) -> "repair.Replay":
+        """This rank's replay of megatron's groups against the last complete build."""
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        plan = self.plan
+        lids = {r: lid for lid, r in plan.rank_of.items()} if plan is not None else {}
+        store = None
+        if plan is not None and plan.gen > 0:  # the first generation has nothing to keep
+            store = dist.PrefixStore("repair/", c10d._get_default_store())
+        return repair.Replay(gen=plan.gen if plan is not None else 0, me=dist.get_rank(),
+                             lids=lids, failed=set(plan.failed_ranks) if plan else set(),
+                             old=self.book, store=store, timeout_s=self._form_timeout_s,
+                             new=repair.Book(lids=dict(lids)))
+
+    def kept(self) -> set:
+        """The ids of the groups of the last complete build (a recovery's kept ones)."""
+        return {id(g) for g in self.book.groups.values()}
+
+    def take_dropped(self) -> list:
+        """The groups no longer used (the old default group, the replay's dropped ones):
+        the caller hands them to the reaper."""
+        out, self.dropped = self.dropped, []
+        return out
 
     def set_collective_timeouts(self) -> None:
         """Raise every group's timeout from the rendezvous bound to the collective timeout
@@ -185,7 +253,8 @@ class World:
             live = self._live_gen
             if live is None or (newer_than is not None and newer_than <= live):
                 return
-            info = ab.abort_communicators(self.backend, self.store_port)
+            only = self._default_sockets if self.keep and self.book.lids else None
+            info = ab.abort_communicators(self.backend, self.store_port, only)
             info["gloo_waits_abandoned"] = gloo_waits.abandon_all()
             self.on_abort()
             self.aborted = True
@@ -197,8 +266,19 @@ class World:
         with self._lock:
             self._live_gen = None
 
+    def retire(self) -> None:
+        """The aborted generation is over. A gloo world with a complete build forgets
+        megatron's globals and keeps torch's registry (the replay decides what stays);
+        otherwise everything is destroyed."""
+        if not (self.keep and self.book.lids):
+            self.destroy()
+            return
+        self.forget()
+        groups.forget()
+
     def destroy(self) -> None:
         self.forget()
+        self.book, self._default_sockets = repair.Book(), set()
         ab.destroy_world()
 
 

@@ -1,0 +1,227 @@
+"""Keep the groups a failure did not break; rebuild only the others (issue 51).
+
+A recovery used to destroy every communicator and replay ``initialize_model_parallel``
+from nothing. On a gloo world a survivor now keeps its torch registry across the
+generation, and the replay goes through ``repairing``: every ``new_group`` call megatron
+makes is matched by its key (sorted members, named backend, occurrence) against the group
+that the last complete build made for the same call, and that group is kept when all its
+members vote to keep it:
+
+  * none of its ranks is in the plan's ``failed_ranks`` (every rank knows it: no vote, the
+    group is rebuilt with the spare in the dead rank's place);
+  * every member holds it from the same build (the same c10d name; the same process at
+    every rank as when it was built);
+  * every member's tally of its operations agrees (group_ops.py): the same collectives,
+    none unfinished, and in a group of two the same messages each way. A group that the
+    failure caught with an operation in flight is rebuilt although its members live.
+
+A vote is one round on the generation's store: ``compare_set`` (the first account written
+wins, each later member compares), ``add`` (arrivals, and a mismatch flag), the last to
+arrive writes the verdict, everyone reads it: four or five operations per member and group,
+never a connection. A call this rank is not a member of makes nothing (torch connects only
+members; ``TORCH_DIST_INIT_BARRIER`` is off). Every group made in a replay gets a c10d name
+fixed by its generation and call index (``name_next``), so that a promoted spare, whose
+process has no history, and the survivors, whose counters moved, name it alike.
+
+    abort (default group's connections) ─► retire (megatron forgets; nothing destroyed)
+    ─► rendezvous (new default group) ─► replay: kept | voted | rebuilt ─► dropped groups:
+    connections shut, unregistered, handed to the reaper
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Dict, List, Optional, Set, Tuple
+
+from ..base import counts
+from . import abort as ab
+from . import group_ops
+
+NAME_SPAN = 100_000        # c10d names of generation g's groups: g * NAME_SPAN + index
+DEFAULT_AT = NAME_SPAN - 1  # the default group's index
+AFTER_REPLAY = NAME_SPAN // 2  # groups made after the replay (the mirror's gloo group)
+BAD = 1 << 20              # a vote's mismatch flag, added to the arrivals' count
+
+Key = Tuple[Tuple[int, ...], str, int]
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Book:
+    """The groups of this process's last complete build of megatron's groups, by call key;
+    the process (lid) at each rank then; each group's socket inodes (its connections)."""
+
+    groups: Dict[Key, object] = field(default_factory=dict)
+    lids: Dict[int, int] = field(default_factory=dict)
+    sockets: Dict[int, Set[int]] = field(default_factory=dict)  # id(group) -> inodes
+
+    def inodes(self) -> Set[int]:
+        return set().union(*self.sockets.values()) if self.sockets else set()
+
+
+def name_next(gen: int, index: int) -> None:
+    """The next group torch names gets the c10d name ``gen * NAME_SPAN + index``."""
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d._world.group_count = gen * NAME_SPAN + index
+
+
+def vote(store, name: str, size: int, account: str, timeout_s: float) -> bool:
+    """One store round among a group's ``size`` members: True (keep) iff every member's
+    ``account`` is the same "keep:..." string."""
+    first = store.compare_set(f"{name}/a", "", account)
+    first = first.decode() if isinstance(first, bytes) else str(first)
+    n = store.add(f"{name}/n", 1 + (BAD if first != account else 0))
+    if n % BAD == size:  # the last to arrive
+        keep = n < BAD and account.startswith("keep")
+        store.set(f"{name}/v", "keep" if keep else "rebuild")
+    store.wait([f"{name}/v"], timedelta(seconds=timeout_s))
+    return store.get(f"{name}/v") == b"keep"
+
+
+@dataclass
+class Replay:
+    """One replay of megatron's ``new_group`` calls on this rank (``call`` is each one)."""
+
+    gen: int
+    me: int
+    lids: Dict[int, int]            # rank -> lid in the plan being formed
+    failed: Set[int]                # the plan's failed ranks
+    old: Book
+    store: object = None            # the votes' store (the generation's); None: no votes
+    timeout_s: float = 60.0
+    new: Book = field(default_factory=Book)
+    calls: int = 0
+    seen: Dict[tuple, int] = field(default_factory=dict)
+
+    def call(self, original, arguments: dict, args, kwargs):
+        import torch.distributed as dist
+
+        ranks = arguments.get("ranks")
+        members = tuple(sorted(ranks)) if ranks is not None else \
+            tuple(range(dist.get_world_size()))
+        backend = str(arguments.get("backend") or "").lower()
+        n = self.seen[(members, backend)] = self.seen.get((members, backend), -1) + 1
+        key, index = (members, backend, n), self.calls
+        self.calls += 1
+        name = str(self.gen * NAME_SPAN + index)
+        if self.me not in members:  # nothing is made; its name is skipped alike
+            name_next(self.gen, index)
+            return original(*args, **kwargs)
+        old = self.old.groups.get(key)
+        if self._keep(old, name, members, backend):
+            self.new.groups[key] = old
+            self.new.sockets[id(old)] = self.old.sockets.get(id(old), set())
+            counts.add("groups_kept")
+            counts.add("kept_members", len(members))
+            return old
+        name_next(self.gen, index)
+        before = set(ab.socket_inodes())
+        group = original(*args, **kwargs)
+        self.new.groups[key] = group
+        self.new.sockets[id(group)] = set(ab.socket_inodes()) - before
+        if self.old.groups:  # a survivor's rebuild, not a first build
+            _count_rebuilt(len(members), unsettled=not (set(members) & self.failed))
+        return group
+
+    def _keep(self, old, name: str, members: tuple, backend: str) -> bool:
+        if self.store is None or set(members) & self.failed or backend not in ("", "gloo"):
+            return False
+        same = old is not None and all(self.old.lids.get(r) == self.lids.get(r)
+                                       for r in members)
+        account = group_ops.digest(old.group_name, self.me, members) if same else "new"
+        keep = vote(self.store, name, len(members), account, self.timeout_s)
+        log.debug("group %s %s: %s (this rank's account: %s)", name, list(members),
+                 "kept" if keep else "rebuilt", account)
+        return keep
+
+    def dropped(self) -> List[object]:
+        """The old build's groups this replay did not keep (each once)."""
+        kept = {id(g) for g in self.new.groups.values()}
+        out, seen = [], set()
+        for g in self.old.groups.values():
+            if id(g) not in kept and id(g) not in seen:
+                seen.add(id(g))
+                out.append(g)
+        return out
+
+
+def _count_rebuilt(size: int, unsettled: bool) -> None:
+    counts.add("groups_rebuilt")
+    counts.add("rebuilt_members", size)
+    counts.add("rebuilt_connections", size - 1)
+    if unsettled:  # no member failed: an operation was in flight on it
+        counts.add("rebuilt_unsettled")
+        counts.add("unsettled_connections", size - 1)
+
+
+@contextlib.contextmanager
+def repairing(replay: Replay):
+    """Within the block, ``torch.distributed.new_group`` goes through ``replay.call``.
+    Enter it before ``shared_gloo_groups``, which then wraps it."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    original = dist.new_group
+    signature = inspect.signature(distributed_c10d.new_group)
+
+    def new_group(*args, **kwargs):
+        try:
+            arguments = signature.bind(*args, **kwargs).arguments
+        except TypeError:  # not torch's signature: made as asked, never kept
+            arguments = {"backend": "unknown"}
+        return replay.call(original, arguments, args, kwargs)
+
+    dist.new_group = new_group
+    try:
+        yield replay
+    finally:
+        dist.new_group = original
+    name_next(replay.gen, AFTER_REPLAY)
+
+
+def forget_default():
+    """Take the default group out of torch's registry without destroying any other group
+    (``destroy_process_group`` of the default group destroys them all); returns it."""
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = c10d._world.default_pg
+    if pg is None:
+        return None
+    _unregister(pg)
+    c10d._update_default_pg(None)
+    return pg
+
+
+def _unregister(pg) -> None:
+    from torch.distributed import distributed_c10d as c10d
+
+    w = c10d._world
+    for table in (w.pg_map, w.pg_names, w.pg_group_ranks, w.pg_backend_config,
+                  w.pg_coalesce_state, w.pg_to_tag):
+        table.pop(pg, None)
+    for members in w.tags_to_pg.values():
+        while pg in members:
+            members.remove(pg)
+    unregister = getattr(c10d, "_unregister_process_group", None)
+    if unregister is not None:
+        unregister(pg.group_name)
+
+
+def drop(groups: List[object], book: Book, store_port: Optional[int]) -> int:
+    """The groups a replay did not keep: their connections shut (an operation still queued
+    on one fails now, not at its deadline), out of torch's registry; the caller hands them
+    to the reaper. Returns the connections shut."""
+    inodes: Set[int] = set()
+    for g in groups:
+        inodes |= book.sockets.get(id(g), set())
+    shut = ab.shutdown_gloo_connections(store_port, inodes, with_store=False) \
+        if store_port else 0
+    for g in groups:
+        group_ops.forget(getattr(g, "group_name", ""))
+        _unregister(g)
+    return shut

@@ -1,0 +1,185 @@
+"""Issue 51: a recovery keeps every group whose members are all alive and settled, and
+rebuilds only the others (recovery/repair.py).
+
+The layouts run megatron-core's own ``initialize_model_parallel`` for one rank of a
+``fake``-backend world (torch's test backend: groups without communication), through
+``World`` as a recovery drives it: first build, abort, retire, a new default group, the
+replay. The votes' store round is replaced by "every member gave the same account" (its
+own test, with a real store and threads, is below)."""
+
+import random
+import threading
+
+import pytest
+import torch.distributed as dist
+
+from megatron_deadpool.adapters import groups
+from megatron_deadpool.base import counts
+from megatron_deadpool.base.plan import Plan
+from megatron_deadpool.recovery import group_ops, repair
+from megatron_deadpool.recovery.world import World
+
+
+def _plan(gen, world, failed=(), moved=0):
+    """Ranks 0..W-1 held by processes 0..W-1, the failed ranks' taken by new lids."""
+    rank_of = {r: r for r in range(world) if r not in failed}
+    rank_of.update({world + moved + i: r for i, r in enumerate(sorted(failed))})
+    return Plan(gen=gen, world_size=world, rank_of=rank_of,
+                node_of_rank=tuple(r // 2 for r in range(world)), failed_ranks=tuple(failed))
+
+
+def _roles():
+    """role -> (group, its global ranks in group-rank order) for every group megatron
+    holds now (non-members' slots are not groups)."""
+    out = {}
+    for gid, role in groups.roles(dist.ProcessGroup).items():
+        g = groups.group_of(role)
+        out[role] = (g, tuple(dist.get_process_group_ranks(g)))
+    return out
+
+
+def _fresh(kwargs, rank, world):
+    """What a first build gives this rank, in a world of its own."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    groups.destroy()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    groups.initialize(**kwargs)
+    out = {role: ranks for role, (_, ranks) in _roles().items()}
+    groups.destroy()
+    dist.destroy_process_group()
+    return out
+
+
+def _layouts(n, seed):
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        tp, pp, dp = rng.choice([1, 2, 4]), rng.choice([1, 2, 4]), rng.choice([1, 2, 4, 8])
+        if tp * pp * dp > 64 or tp * pp * dp < 4:
+            continue
+        kw = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+              "create_gloo_process_groups": False}  # a gloo group needs a real store
+        if pp > 1 and rng.random() < 0.5:
+            kw["virtual_pipeline_model_parallel_size"] = 2
+        if dp % 2 == 0 and rng.random() < 0.4:
+            kw["expert_model_parallel_size"] = 2
+        world = tp * pp * dp
+        dead = rng.sample(range(world), rng.choice([1, 2, min(4, world // 2)]))
+        out.append((kw, world, sorted(dead), rng.randrange(world)))
+    return out
+
+
+@pytest.fixture
+def fake_world(monkeypatch):
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    # every member gave the same account: keep iff it is a "keep:" one
+    monkeypatch.setattr(repair, "vote", lambda store, name, size, account, t: account
+                        .startswith("keep"))
+
+    def make(rank, world, kwargs, plan0):
+        w = World("fake", 1, 30.0, 30.0, emit=lambda *a, **k: None)
+        w.keep = True
+        w.init_process_group(FakeStore(), 0, rank, world, plan=plan0)
+        w.build_groups(kwargs)
+        return w
+    yield make, FakeStore
+    groups.destroy()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _recover(w, store_cls, rank, world, plan1):
+    w.abort("test", rank)
+    w.retire()
+    w.init_process_group(store_cls(), plan1.gen, rank, world, plan=plan1)
+    before = counts.snapshot()
+    w.build_groups()
+    return counts.delta(before, counts.snapshot())
+
+
+@pytest.mark.parametrize("kw,world,dead,rank", _layouts(24, seed=51))
+def test_kept_groups_hold_no_dead_rank_and_rebuilt_ones_equal_a_fresh_build(
+        fake_world, kw, world, dead, rank):
+    make, store_cls = fake_world
+    if rank in dead:
+        rank = next(r for r in range(world) if r not in dead)  # a survivor
+    fresh = _fresh(kw, rank, world)
+    w = make(rank, world, kw, _plan(0, world))
+    before = _roles()
+    did = _recover(w, store_cls, rank, world, _plan(1, world, dead))
+    after = _roles()
+    assert set(after) == set(fresh), "every role megatron asks for is served"
+    kept = rebuilt = 0
+    for role, (g, ranks) in after.items():
+        assert ranks == fresh[role], (role, ranks, fresh[role])  # members and their order
+        old = before[role][0]
+        if set(ranks) & set(dead):
+            assert g is not old, f"{role} holds a dead rank and was kept"
+            rebuilt += 1
+        else:
+            assert g is old, f"{role}: no member died, its group was not kept"
+            kept += 1
+    dropped = w.take_dropped()
+    for g in dropped:  # out of torch's registry, none of them still megatron's
+        assert g not in dist.distributed_c10d._world.pg_map
+        assert all(g is not h for h, _ in after.values())
+    assert did.get("groups_kept", 0) >= (1 if kept else 0)
+    assert did.get("groups_rebuilt", 0) >= 1  # the default group at least
+
+
+def test_a_group_with_an_operation_in_flight_is_rebuilt(fake_world):
+    """Its members live, but one of them has an operation on it not waited on: the
+    account is "open", the vote says rebuild."""
+    make, store_cls = fake_world
+    kw = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+          "create_gloo_process_groups": False}
+    w = make(0, 8, kw, _plan(0, 8))
+    tp = groups.group_of("_TENSOR_MODEL_PARALLEL_GROUP")
+    group_ops.issued(tp)  # never finished
+    _recover(w, store_cls, 0, 8, _plan(1, 8, [6, 7]))  # no member of {0, 1} died
+    assert groups.group_of("_TENSOR_MODEL_PARALLEL_GROUP") is not tp
+    pp = groups.group_of("_PIPELINE_MODEL_PARALLEL_GROUP")  # {0, 4}: kept
+    assert dist.get_process_group_ranks(pp) == [0, 4]
+
+
+def test_accounts():
+    name = "acct-test"
+    assert group_ops.digest(name, 0, (0, 1)) == f"keep:{name}:c0"
+    group = type("G", (), {"group_name": name})()
+    a = group_ops.issued(group, peer=1, send=True)
+    assert group_ops.digest(name, 0, (0, 1)).startswith("open")
+    a.done()
+    # rank 0 sent one message to 1; rank 1 took it: both give the same account
+    assert group_ops.digest(name, 0, (0, 1)) == f"keep:{name}:c0:p1,0"
+    group_ops.forget(name)
+    group_ops.issued(group, peer=0, send=False).done()
+    assert group_ops.digest(name, 1, (0, 1)) == f"keep:{name}:c0:p1,0"
+    assert group_ops.digest(name, 1, (0, 1, 2)) == "p2p"  # larger groups: rebuilt
+    group_ops.forget(name)
+
+
+@pytest.mark.parametrize("accounts,keep", [
+    (["keep:7:c3"] * 3, True),
+    (["keep:7:c3", "keep:7:c3", "keep:7:c4"], False),
+    (["keep:7:c3", "open", "keep:7:c3"], False),
+    (["new"] * 3, False),
+])
+def test_the_vote(accounts, keep):
+    """One store round; every member gets the same verdict."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    got = {}
+
+    def member(i):  # each member its own connection, as each process has
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+        got[i] = repair.vote(dist.PrefixStore("repair/", client), "42", len(accounts),
+                             accounts[i], 10.0)
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(len(accounts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert got == {i: keep for i in range(len(accounts))}
