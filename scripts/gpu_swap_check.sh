@@ -2,6 +2,7 @@
 # The NCCL hot swap on one GPU that hosts the whole job, in one call (docs/benchmarks.md "GPU").
 #
 #   scripts/gpu_swap_check.sh [--carry DIR] [--out DIR] [--budget-s N] [--commit SHA] [--dry-run]
+#                             [--counts]
 #
 # TP2 x PP2 x DP2, 4 nodes x 2 processes + 1 spare node, bf16, NCCL, every process on GPU 0
 # in the shared-GPU mode (`deadpool launch --share-gpu`: each process its own NCCL host id,
@@ -17,10 +18,14 @@
 # each recovery's phases, NCCL version and environment, GPU, commit) and OUT/gpu_swap.log
 # (every launcher's whole output); prints a table. Exit 0 only if bitwise.
 # --dry-run: what it would install and run; nothing is installed or run (no GPU needed).
+# --counts: instead of the swaps, issue 51's communicator repair on NCCL at W = 8, 16, 32
+# ranks (+ 2 spares) on the one GPU (scripts/gpu_repair_counts.py: per survivor the groups
+# kept, shrunk with torch.distributed.shrink_group(SHRINK_ABORT), and made fresh with the
+# spares, each with its size and seconds): OUT/gpu_repair_counts.json. About 2-4 minutes.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-carry="$here/gpu-carry" out="${OUT:-/tmp}/gpu_swap" budget=420 commit="" dry=0
+carry="$here/gpu-carry" out="${OUT:-/tmp}/gpu_swap" budget=420 commit="" dry=0 counts=0
 die() { echo "gpu_swap_check: error: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -29,7 +34,8 @@ while [ $# -gt 0 ]; do
     --budget-s) budget=${2:?}; shift 2 ;;
     --commit) commit=${2:?}; shift 2 ;;
     --dry-run) dry=1; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    --counts) counts=1; shift ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
@@ -39,6 +45,16 @@ out=$(cd "$out" && pwd)
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-swap-XXXXXX")  # installed packages and the tree: not in OUT
 t0=$(date +%s)
 say() { echo "[gpu_swap_check +$(( $(date +%s) - t0 ))s] $*"; }
+
+if [ "$counts" = 1 ]; then  # issue 51: the repair's counts only (torch and this checkout: nothing carried)
+  say "gpu_repair_counts.py --world-sizes 8,16,32 --out $out"
+  status=0
+  "$py" "$here/scripts/gpu_repair_counts.py" --world-sizes 8,16,32 --out "$out" \
+    $([ "$dry" = 1 ] && echo --dry-run) || status=$?
+  say "done (exit $status): $out/gpu_repair_counts.json"
+  rm -rf "$work"
+  exit "$status"
+fi
 
 # 1. The packages this Python lacks (module=wheel name), from the carried wheels only.
 missing=$("$py" - <<'EOF'
@@ -72,6 +88,7 @@ else
   say "packages to install: ${missing:-none}"
 fi
 export PYTHONPATH="$here${wheels:+:$work/site}${PYTHONPATH:+:$PYTHONPATH}"
+
 
 # 2. Megatron-LM core_v0.19.0, unpacked and patched (skipped, and said, without the archive).
 archive="$carry/Megatron-LM-core_v0.19.0.tar.gz"

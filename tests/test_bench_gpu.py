@@ -77,3 +77,23 @@ def test_cpu_rehearsal_of_the_reference_cases(tmp_path):
                       cases=["ref-free", "ref-kill-fwdbwd", "ref-kill-optimizer"])
     assert r["bitwise"] is True and r["bitwise_by_trainer"]["reference"] is True, \
         json.dumps(r["results"], indent=1)[-3000:]
+
+
+def test_counts_dry_run_plans_the_repair_probe(tmp_path):
+    """Issue 51's NCCL case (``--counts``): one call, nothing carried, W = 8, 16, 32."""
+    p = subprocess.run(["bash", str(REPO / "scripts" / "gpu_swap_check.sh"), "--counts",
+                        "--dry-run", "--out", str(tmp_path / "o"), "--carry", str(tmp_path)],
+                       env=dict(os.environ, PYTHON=sys.executable), capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    for w in (8, 16, 32):
+        assert f"W={w}: {w} ranks + 2 spares on one cuda device" in p.stdout
+    assert "SHRINK_ABORT" in p.stdout and "deadpool bench gpu" not in p.stdout
+    sys.path.insert(0, str(REPO / "scripts"))
+    import gpu_repair_counts as probe
+
+    groups = probe.layout(16)
+    assert groups["tp0.1"] == [2, 3] and groups["dp0.0"] == [0, 2, 4, 6]
+    assert groups["pp1.0"] == [2, 10] and len(groups["tpdp0"]) == 8
+    assert sorted(r for m in groups.values() for r in m if len(m) == 2 and m[1] - m[0] == 1) \
+        == list(range(16))  # every rank in one tensor-parallel pair
