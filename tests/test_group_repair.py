@@ -183,3 +183,18 @@ def test_the_vote(accounts, keep):
     for t in threads:
         t.join(20)
     assert got == {i: keep for i in range(len(accounts))}
+
+
+def test_groups_made_outside_the_build_leave_the_registry(fake_world):
+    """A group made after megatron's build (the gloo mirror transport's) is not kept: the
+    retire takes it out of torch's registry (its owner destroys it), or the full audit
+    finds it alive, held by torch's tables."""
+    make, store_cls = fake_world
+    kw = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+          "create_gloo_process_groups": False}
+    w = make(0, 8, kw, _plan(0, 8))
+    stray = dist.new_group(list(range(8)))
+    _recover(w, store_cls, 0, 8, _plan(1, 8, [2, 3]))
+    assert stray not in dist.distributed_c10d._world.pg_map
+    current = {id(g) for g, _ in _roles().values()} | {id(dist.group.WORLD)}
+    assert {id(g) for g in dist.distributed_c10d._world.pg_map} <= current

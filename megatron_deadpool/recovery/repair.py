@@ -212,6 +212,19 @@ def _unregister(pg) -> None:
         unregister(pg.group_name)
 
 
+def unregister_others(kept: Set[int]) -> None:
+    """Take every group torch knows out of its registry but the default group and those
+    whose ids are in ``kept`` (the last build's: the replay decides on them). A group made
+    outside megatron's build (the gloo mirror transport's) is its owner's to destroy."""
+    from torch.distributed import distributed_c10d as c10d
+
+    default = c10d._world.default_pg
+    for pg in list(c10d._world.pg_map):
+        if pg is not default and id(pg) not in kept:
+            group_ops.forget(getattr(pg, "group_name", ""))
+            _unregister(pg)
+
+
 def drop(groups: List[object], book: Book, store_port: Optional[int]) -> int:
     """The groups a replay did not keep: their connections shut (an operation still queued
     on one fails now, not at its deadline), out of torch's registry; the caller hands them

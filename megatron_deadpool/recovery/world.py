@@ -253,7 +253,9 @@ class World:
             live = self._live_gen
             if live is None or (newer_than is not None and newer_than <= live):
                 return
-            only = self._default_sockets if self.keep and self.book.lids else None
+            only = None  # every communicator's connections, unless groups may be kept:
+            if self.keep and self.book.lids:  # then all but the last build's (repair.py)
+                only = ab.owned_socket_inodes() - self.book.inodes()
             info = ab.abort_communicators(self.backend, self.store_port, only)
             info["gloo_waits_abandoned"] = gloo_waits.abandon_all()
             self.on_abort()
@@ -275,6 +277,7 @@ class World:
             return
         self.forget()
         groups.forget()
+        repair.unregister_others(self.kept())  # e.g. the retired link's gloo group
 
     def destroy(self) -> None:
         self.forget()
