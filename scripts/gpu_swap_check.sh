@@ -49,8 +49,10 @@ say() { echo "[gpu_swap_check +$(( $(date +%s) - t0 ))s] $*"; }
 if [ "$counts" = 1 ]; then  # issue 51: the repair's counts only (torch and this checkout: nothing carried)
   say "gpu_repair_counts.py --world-sizes 8,16,32 --out $out"
   status=0
+  dry_flag=()
+  [ "$dry" = 1 ] && dry_flag=(--dry-run)
   "$py" "$here/scripts/gpu_repair_counts.py" --world-sizes 8,16,32 --out "$out" \
-    $([ "$dry" = 1 ] && echo --dry-run) || status=$?
+    "${dry_flag[@]}" || status=$?
   say "done (exit $status): $out/gpu_repair_counts.json"
   rm -rf "$work"
   exit "$status"
