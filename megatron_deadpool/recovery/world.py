@@ -86,9 +86,12 @@ class World:
         self._lock = threading.Lock()
         # what else an abort must wake: the mirror's own connections (control/link.py)
         self.on_abort: Callable[[], None] = _nothing
-        # a gloo world keeps the groups a failure did not break (repair.py; off with
-        # DEADPOOL_REBUILD_ALL=1: every group is made again, as before issue 51)
-        self.keep = backend == "gloo" and os.environ.get("DEADPOOL_REBUILD_ALL") != "1"
+        # DEADPOOL_KEEP_GROUPS=1: a gloo world keeps the groups a failure did not break
+        # (repair.py). Off by default: with it the production recipe (SP, VPP, overlap,
+        # a kill right after a save) failed after the swap, a kept TP group's pair closed
+        # ("Application timeout caused pair closure"); every group is made again, as
+        # before issue 51, until that is fixed
+        self.keep = backend == "gloo" and os.environ.get("DEADPOOL_KEEP_GROUPS") == "1"
         self.book = repair.Book()         # the last complete build's groups
         self.plan = None                  # the plan of the generation formed last
         self.dropped: list = []           # groups no longer used, for the reaper
