@@ -33,7 +33,6 @@ import os
 import random
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ sys.path.insert(0, str(REPO))
 
 from megatron_deadpool.apps.peer_inject import descendants, kill_all, node_pids  # noqa: E402
 from megatron_deadpool.launch import progress  # noqa: E402
+from megatron_deadpool.launch.options import free_port_pair  # noqa: E402
 
 # tests/test_megatron_lm_train.py FLAGS (the iteration count set by --iters), plus bf16 and
 # the overlapped grad-reduce and param-gather (tests/test_megatron_lm_recipe.py RECIPE)
@@ -105,21 +105,6 @@ class Killer:
             self.killed_t, self.at_iter = time.monotonic(), self.last_iter
 
 
-def _port_pair() -> int:
-    """A port P with P and P+1 free (the store and the coordinator, --master-port)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p < 60000:
-            with socket.socket() as s2:
-                try:
-                    s2.bind(("127.0.0.1", p + 1))
-                    return p
-                except OSError:
-                    continue
-
-
 def commands(d: Path, a) -> list:
     """The launch command lines: one simulating every node, or (``--agents``) one agent
     per node, as srun starts them (node 0 hosts the store and the decider)."""
@@ -132,7 +117,7 @@ def commands(d: Path, a) -> list:
             "--device", "cpu", "--script", str(Path(a.tree) / "pretrain_gpt.py")]
     if not a.agents:
         return [base + ["--", *flags]]
-    port = _port_pair()
+    port = free_port_pair()
     return [base + ["--node-rank", str(n), "--master-addr", "127.0.0.1", "--master-port",
                     str(port), "--", *flags] for n in range(NODES + SPARE_NODES)]
 

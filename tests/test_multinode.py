@@ -3,7 +3,6 @@ machine, node 0 hosting the coordinator, node 2 a spare node; node 1 is killed."
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -11,27 +10,15 @@ import pytest
 
 from conftest import REPO, layout_flags
 
+from megatron_deadpool.launch.options import free_port_pair
+
 pytestmark = [pytest.mark.slow]
-
-
-def _port_pair():
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p < 60000:
-            with socket.socket() as s2:
-                try:
-                    s2.bind(("127.0.0.1", p + 1))
-                    return p
-                except OSError:
-                    continue
 
 
 def _two_nodes_and_a_spare(tmp_path, flags, ppn, inject):
     """One `deadpool launch --node-rank I` agent per node (2 nodes + 1 spare node), as srun
     starts them; returns node 0's summary and every agent's output."""
-    port = _port_pair()
+    port = free_port_pair()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), DEADPOOL_TOKEN="t0k")
     procs = []
     for node in range(3):

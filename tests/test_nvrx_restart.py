@@ -23,6 +23,7 @@ from megatron_deadpool.launch import nvrx
 from megatron_deadpool.mirror import persist, snapshot
 from megatron_deadpool.mirror.held import OwnSlots
 from mlm import REPO, patched_tree
+from test_megatron_lm_train import FLAGS as TRAIN_FLAGS
 
 PEERS_PY = REPO / ".venv-peers" / "bin" / "python"
 FT_LAUNCHER = REPO / ".venv-peers" / "bin" / "ft_launcher"
@@ -85,13 +86,7 @@ def test_a_restart_resumes_from_the_fallback_or_from_load(tmp_path):
 
 # ------------------------------------------------------------------ end to end
 TAG = "core_v0.19.0"
-FLAGS = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-         "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
-         "--global-batch-size", "8", "--train-iters", "12", "--lr", "1e-3",
-         "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--mock-data",
-         "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-         "--use-distributed-optimizer", "--log-interval", "1", "--deadpool"]
+FLAGS = TRAIN_FLAGS + ["--log-interval", "1", "--deadpool"]  # test_megatron_lm_train's job
 HANG_AT, KILL_AT = 3, 7  # node 2 stopped (SIGSTOP) at 3: the spare; node 1 killed at 7
 NVRX_HB_TIMEOUT = 2.5    # NVRx's heartbeat timeout, shorter than DeadPool's hang detection
 

@@ -25,6 +25,17 @@ from ..adapters.ft_package import ENV, LAUNCHER
 SOCKETS = ("FT_RANK_MONITOR_IPC_SOCKET", "FT_LAUNCHER_IPC_SOCKET")
 
 
+def flag_value(argv: List[str], flag: str) -> Optional[str]:
+    """The value of ``flag V`` or ``flag=V`` (the last one, as argparse takes it)."""
+    value = None
+    for i, x in enumerate(argv):
+        if x == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif x.startswith(flag + "="):
+            value = x[len(flag) + 1:]
+    return value
+
+
 def under_ft_launcher(environ=os.environ) -> bool:
     return bool(environ.get(SOCKETS[0]))
 
@@ -73,16 +84,6 @@ class Nvrx:
             pass
 
 
-def _flag(argv: List[str], flag: str) -> Optional[str]:
-    value = None
-    for i, x in enumerate(argv):
-        if x == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif x.startswith(flag + "="):
-            value = x[len(flag) + 1:]
-    return value
-
-
 def _without(argv: List[str], flag: str) -> List[str]:
     out, skip = [], False
     for x in argv:
@@ -113,13 +114,13 @@ def resume_or_load(argv: List[str], world: int, say: Callable[[str], None]) -> L
     command lines are returned as they are."""
     from ..mirror import persist
 
-    root = _flag(argv, "--deadpool-resume")
-    if root is None or root != _flag(argv, "--deadpool-fallback-save"):
+    root = flag_value(argv, "--deadpool-resume")
+    if root is None or root != flag_value(argv, "--deadpool-fallback-save"):
         return argv
-    tp = int(_flag(argv, "--tensor-model-parallel-size") or 1)
-    pp = int(_flag(argv, "--pipeline-model-parallel-size") or 1)
+    tp = int(flag_value(argv, "--tensor-model-parallel-size") or 1)
+    pp = int(flag_value(argv, "--pipeline-model-parallel-size") or 1)
     done = persist.scan(root).complete(layout=(world, tp, pp, world // (tp * pp)))
-    load = _flag(argv, "--load")
+    load = flag_value(argv, "--load")
     loaded = loaded_iteration(load)
     if done and (loaded is None or done[0][0] >= loaded):
         say(f"--deadpool-resume: iteration {done[0][0]} of the fallback save in {root}")

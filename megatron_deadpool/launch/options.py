@@ -19,6 +19,7 @@ from ..base.config import DeadpoolConfig, add_deadpool_args, replicas_refusal
 from ..base.errors import ConfigError
 from ..base.state import Role
 from .agent import WorkerSpec
+from .nvrx import flag_value
 
 
 @dataclass
@@ -101,6 +102,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A port P with P and P+1 free (the store and the coordinator, --master-port)."""
+    while True:
+        p = free_port()
+        if p < 60000:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p + 1))
+                    return p
+                except OSError:
+                    continue
+
+
 def _deadpool_config(argv: List[str]) -> DeadpoolConfig:
     p = argparse.ArgumentParser(add_help=False)
     add_deadpool_args(p)
@@ -168,13 +182,8 @@ def validate(opts: LaunchOptions):
 
 
 def _flag_int(argv: List[str], flag: str, default: Optional[int] = None) -> Optional[int]:
-    """The value of ``flag N`` or ``flag=N`` (the last one, as argparse takes it)."""
-    value = None
-    for i, x in enumerate(argv):
-        if x == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif x.startswith(flag + "="):
-            value = x[len(flag) + 1:]
+    """The value of ``flag N`` or ``flag=N`` as an int (the last one)."""
+    value = flag_value(argv, flag)
     try:
         return default if value is None else int(value)
     except ValueError:
