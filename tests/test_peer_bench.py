@@ -263,6 +263,9 @@ def test_restart_pieces_read_from_megatron_timers():
     assert p["init_s"] == 4.0 and p["load_s"] == 1.5 and p["build_s"] == 0.5
     assert p["data_s"] == 0.8
     assert abs(p["other_s"] - (20.0 - 4.0 - 1.5 - 0.5 - 0.8 - 1.0)) < 1e-9
+    prefixed = text.replace("22.0     load", "22.0 [n3 r7]     load").replace(
+        "22.1     model", "22.1 [n3 r7]     model")  # a `deadpool launch` worker's lines
+    assert peer_log.restart_pieces(peer_log.parse(prefixed), 3.1, 23.1, 1.0) == p
     hot = peer_log.restart_pieces(peer_log.parse(_log([_it(5.0, 5)])), 1.0, 5.0, 1.0)
     assert hot == {"init_s": 0.0, "load_s": 0.0, "build_s": 0.0, "data_s": 0.0,
                    "other_s": 3.0}
@@ -377,3 +380,26 @@ def test_a_lost_time_within_noise_of_zero_divides_by_the_recovery_time():
     assert s["deadpool"]["ratio_reference_s"] == 1.25
     assert s["relaunch"]["lost_ratio_to_deadpool"] == pytest.approx(45.0 / 1.25)
     assert s["deadpool"]["lost_ratio_to_deadpool"] is None  # its own median is below zero
+
+
+def test_deadpool_slurm_submits_the_batch_script_requeueable_with_the_jobs_flags(tmp_path):
+    """``deadpool-slurm``: cpu-local.sbatch, requeueable, appending its output across the
+    requeue, one run id per job name, the shared job's flags with the final --save and a
+    --load; --deadpool and the fallback flags come from the batch script
+    (DEADPOOL_REQUEUE), not from the benchmark; the kill finds a node by its Slurm name."""
+    from megatron_deadpool.apps import peer_systems as ps
+
+    job = ps.PeerJob(tree="/t", python="/p/python", flags=["--train-iters", "20"],
+                     train_iters=20, save_interval=5)
+    argv = ps.system_flags("deadpool-slurm", job, "CK", "LOCAL")
+    assert "--deadpool" not in argv and "--deadpool-fallback-save" not in argv
+    assert argv[argv.index("--load") + 1] == "CK" and "--save" in argv
+    cmd, env, log = ps.slurm_job(job, argv, str(tmp_path), "peers-x")
+    assert cmd[0] == "sbatch" and {"--wait", "--requeue", "--open-mode=append"} <= set(cmd)
+    assert cmd[-1].endswith("scripts/cpu-local.sbatch") and os.path.exists(cmd[-1])
+    assert f"--nodes={job.nodes}" in cmd and f"--output={log}" in cmd
+    assert env["DEADPOOL_REQUEUE"] == "1" and env["TRAINER_FLAGS"].split() == argv
+    assert env["PROCS_PER_NODE"] == "2" and env["ACTIVE_NODES"] == "4"
+    assert ps.node_tag("deadpool-slurm") == "SLURMD_NODENAME"
+    assert ps.node_tag("deadpool-nvrx") == "DEADPOOL_NODE"
+    assert ps.node_tag("nvrx-local") == ps.NODE_TAG

@@ -25,7 +25,7 @@ from typing import Dict, List, Optional
 
 from . import peer_log
 from .peer_inject import CpuProbe, Injector
-from .peer_systems import DEADPOOL_SYSTEMS, NODE_TAG, SYSTEMS, PeerJob, run_system
+from .peer_systems import SYSTEMS, PeerJob, node_tag, run_system, slurm_check
 
 REPO = Path(__file__).resolve().parents[2]
 # the job of tests/test_megatron_lm_train.py: TP2 x PP2 x DP2 on 4 nodes x 2
@@ -113,8 +113,7 @@ def one_run(system: str, job: PeerJob, work: str, kill: Optional[dict], echo=Non
         return _reread(work, job.train_iters)
     injector, probe = None, None
     if kill is not None:
-        key = "DEADPOOL_NODE" if system in DEADPOOL_SYSTEMS else NODE_TAG
-        injector = Injector(kill["iter"], key, rank=kill["rank"])
+        injector = Injector(kill["iter"], node_tag(system), rank=kill["rank"])
     else:  # the failure-free run's CPU, from after the warm-up to before the last save
         probe = CpuProbe((CPU_FROM_ITER, job.train_iters - 1))
     info = run_system(system, job, work, injector, echo=echo, probe=probe)
@@ -272,6 +271,8 @@ def run(args, extra: List[str] = ()) -> dict:
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
         raise SystemExit(f"unknown system(s) {bad}; known: {', '.join(SYSTEMS)}")
+    if "deadpool-slurm" in systems:
+        slurm_check(args.nodes)
     job = PeerJob(tree=os.path.abspath(tree), python=args.python or sys.executable,
                   flags=MODEL_FLAGS + list(extra) + ["--train-iters", str(args.train_iters)],
                   train_iters=args.train_iters, save_interval=args.save_interval,

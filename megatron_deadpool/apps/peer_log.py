@@ -21,9 +21,10 @@ ITERATION = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|")
 # persistent saves (Megatron-LM's rank 0) and local ones (NVRx's manager, every rank)
 SAVED = re.compile(r"successfully saved (?:local )?checkpoint from iteration\s+(\d+)", re.I)
 MARKER = re.compile(r"#peers (\w+)((?: \w+=\S*)*)\s*$")
-# the start-up a restart pays, as Megatron-LM's timers print it (max over ranks, ms) and its
+# the start-up a restart pays, as Megatron-LM's timers print it (max over ranks, ms; under
+# `deadpool launch` behind its "[nN rR]" prefix) and its
 # "time to initialize megatron (seconds): X" (distributed init, rendezvous included)
-TIMER = re.compile(r"^\s*(load-checkpoint|model-and-optimizer-setup|"
+TIMER = re.compile(r"^(?:\[n\d+ r\d+\])?\s*(load-checkpoint|model-and-optimizer-setup|"
                    r"train/valid/test-data-iterators-setup)\s*\.+:\s*\(([\d.]+),\s*([\d.]+)\)")
 INIT = re.compile(r"time to initialize megatron \(seconds\):\s*([\d.]+)")
 PIECES = ("other_s", "init_s", "build_s", "load_s", "data_s")  # restart_pieces' keys

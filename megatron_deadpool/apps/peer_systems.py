@@ -13,6 +13,11 @@ job (docs/peers.md), and one run of it under the shared injector (``peer_inject`
   (the spares exhausted), ``--enable-ft-package`` and a fallback save: the kill stops
   DeadPool, which writes what memory holds, and ``ft_launcher`` restarts the same command,
   which resumes from it (``launch/nvrx.py``).
+* ``deadpool-slurm``: ``scripts/cpu-local.sbatch`` on the local Slurm cluster
+  (``scripts/slurm_local.sh``), submitted with ``sbatch --requeue --wait``, one agent per
+  node, no spare node and ``DEADPOOL_REQUEUE=1``: the kill stops DeadPool, which writes what
+  memory holds, and the batch script requeues the job, which resumes from it. The kill takes
+  the node's processes of the job (agent and workers; its ``slurmd`` lives on).
 * ``relaunch``: one ``torchrun`` per node; when any node's launcher fails, the whole job is
   killed and started again with ``--load`` (what ``sbatch --requeue`` or a relaunch loop
   does, with failure detection taken as immediate).
@@ -36,9 +41,18 @@ from ..launch.options import free_port
 from ..megatron import tree as mlm_tree
 from .peer_inject import CpuProbe, Injector, RunLogWriter, kill_all, tagged
 
-SYSTEMS = ("deadpool", "nvrx", "nvrx-local", "relaunch", "deadpool-nvrx")
+SYSTEMS = ("deadpool", "nvrx", "nvrx-local", "relaunch", "deadpool-nvrx", "deadpool-slurm")
 DEADPOOL_SYSTEMS = ("deadpool", "deadpool-nvrx")  # their workers carry DEADPOOL_NODE
 NODE_TAG = "PEERS_NODE"
+SLURM_NODE_TAG = "SLURMD_NODENAME"  # under Slurm every process of a node's task carries it
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def node_tag(system: str) -> str:
+    """The environment key whose value names a process's node, per system."""
+    if system == "deadpool-slurm":
+        return SLURM_NODE_TAG
+    return "DEADPOOL_NODE" if system in DEADPOOL_SYSTEMS else NODE_TAG
 
 
 @dataclass
@@ -69,6 +83,8 @@ def system_flags(system: str, job: PeerJob, ck: str, local: str) -> List[str]:
     if system == "deadpool-nvrx":  # the restartable form: the same flags at every restart
         return ["--log-interval", "1", "--deadpool", "--enable-ft-package", *last,
                 "--load", ck, "--deadpool-fallback-save", local, "--deadpool-resume", local]
+    if system == "deadpool-slurm":  # the batch script adds --deadpool and the fallback flags
+        return ["--log-interval", "1", *last, "--load", ck]
     if system == "nvrx":
         return ["--log-interval", "1", "--enable-ft-package", *every]
     if system == "nvrx-local":
@@ -158,6 +174,61 @@ def _wait(procs, whole_job: bool, deadline: float, grace_s: float = 30.0) -> str
     return "timeout"
 
 
+def slurm_job(job: PeerJob, argv: List[str], work: str, name: str
+              ) -> Tuple[List[str], Dict[str, str], str]:
+    """``deadpool-slurm``: the sbatch command, its environment and the batch output file,
+    which a requeued run appends to (``--open-mode=append``)."""
+    log = os.path.join(work, "slurm.out")
+    env = {"ACTIVE_NODES": str(job.nodes), "PROCS_PER_NODE": str(job.procs_per_node),
+           "MEGATRON_LM_DIR": job.tree, "DEADPOOL_PYTHON": job.python,
+           "DEADPOOL_REPO": REPO, "OUT": os.path.join(work, "slurm"),
+           "TRAINER_FLAGS": " ".join(argv), "DEADPOOL_REQUEUE": "1", "PYTHONPATH": REPO}
+    cmd = ["sbatch", "--wait", "--requeue", "--open-mode=append", f"--nodes={job.nodes}",
+           f"--job-name={name}", f"--output={log}",
+           os.path.join(REPO, "scripts", "cpu-local.sbatch")]
+    return cmd, env, log
+
+
+def slurm_check(nodes: int) -> None:
+    """The local Slurm cluster is up with ``nodes`` nodes free (``SLURM_CONF`` from
+    ``scripts/slurm_local.sh env`` when unset), or SystemExit naming how to start it."""
+    if "SLURM_CONF" not in os.environ:
+        out = subprocess.run(["bash", os.path.join(REPO, "scripts", "slurm_local.sh"), "env"],
+                             capture_output=True, text=True).stdout
+        os.environ["SLURM_CONF"] = out.strip().split("=", 1)[-1]
+    r = subprocess.run(["sinfo", "-h", "-o", "%T %D"], capture_output=True, text=True)
+    idle = sum(int(n) for state, n in (ln.split() for ln in r.stdout.splitlines())
+               if state == "idle")
+    if r.returncode != 0 or idle < nodes:
+        raise SystemExit(f"deadpool-slurm needs a local Slurm cluster with {nodes} idle "
+                         f"nodes (have {idle}): scripts/slurm_local.sh install && "
+                         "scripts/slurm_local.sh up, as root")
+
+
+def _run_slurm(job: PeerJob, argv: List[str], work: str, env: Dict[str, str],
+               writer: RunLogWriter, deadline: float) -> str:
+    """One sbatch job, its output file followed as it grows; 'done', 'failed' or
+    'timeout'. The job is cancelled whatever the outcome."""
+    name = f"peers-{env['PEERS_RUN'][:12]}"
+    cmd, extra, log = slurm_job(job, argv, work, name)
+    open(log, "a").close()
+    tail = subprocess.Popen(["tail", "-n", "+1", "-F", log], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, errors="replace")
+    writer.follow(tail.stdout)
+    writer.mark("start", attempt=1)
+    sb = subprocess.Popen(cmd, env=dict(env, **extra), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, errors="replace")
+    writer.follow(sb.stdout)
+    try:
+        outcome = _wait([sb], False, deadline)
+        time.sleep(1.0)  # the file's last lines reach the tail
+    finally:
+        subprocess.run(["scancel", f"--name={name}"], capture_output=True)
+        sb.kill()
+        tail.kill()
+    return outcome
+
+
 def run_system(system: str, job: PeerJob, work: str, injector: Optional[Injector],
                echo=None, probe: Optional[CpuProbe] = None) -> dict:
     """One run; its log is ``work/run.log``, its checkpoints ``work/ck``."""
@@ -167,14 +238,17 @@ def run_system(system: str, job: PeerJob, work: str, injector: Optional[Injector
     run_tag = {"PEERS_RUN": uuid.uuid4().hex}
     env, roots = dict(base_env(job), **run_tag), []
     for watcher in (injector, probe):
-        if watcher is not None:
-            watcher.roots = lambda: list(roots)
+        if watcher is not None:  # under Slurm the job's processes descend from slurmstepd
+            watcher.roots = ((lambda: tagged(run_tag)) if system == "deadpool-slurm"
+                             else (lambda: list(roots)))
     writer = RunLogWriter(os.path.join(work, "run.log"), injector=injector, echo=echo,
                           probe=probe)
     deadline = time.monotonic() + job.timeout_s
     outcome, attempt = "failed", 0
     try:
-        while attempt <= job.max_relaunches:
+        if system == "deadpool-slurm":
+            outcome, attempt = _run_slurm(job, argv, work, env, writer, deadline), 1
+        while system != "deadpool-slurm" and attempt <= job.max_relaunches:
             attempt += 1
             writer.mark("start", attempt=attempt)
             cmds = node_commands(system, job, argv, free_port())
