@@ -196,9 +196,9 @@ def test_a_failures_plan_is_not_a_drain_for_the_watcher():
 
 def test_drain_and_slow_fault_specs():
     f = faults.parse_fault("drain:node=2@iter=8")
-    assert (f.kind, f.node, f.iteration, f.factor) == ("drain", 2, 8, None)
+    assert (f.kind, f.node, f.iteration, f.params) == ("drain", 2, 8, ())
     s = faults.parse_fault("slow:node=2@iter=4,factor=3")
-    assert s.factor == 3.0 and faults.parse_fault(s.describe()) == s
+    assert s.param("factor") == 3.0 and faults.parse_fault(s.describe()) == s
     for bad in ("slow:node=2@iter=4", "slow:node=2@iter=4,factor=0.5",
                 "kill:node=1@iter=3,factor=2", "drain:node=1@t=5"):
         with pytest.raises(ConfigError):

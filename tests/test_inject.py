@@ -1,6 +1,7 @@
 """Fault schedule (megatron_deadpool.base.faults): parsing, JSON, validation, targets."""
 
 import dataclasses
+import pathlib
 
 import pytest
 
@@ -143,3 +144,48 @@ def test_validate_schedule_rejects(spec, match):
     with pytest.raises(ConfigError, match=match) as exc:
         inject.validate_schedule(sched, total_nodes=5, world_size=8, train_iters=10)
     assert spec in str(exc.value)
+
+
+def test_the_usage_doc_lists_the_kinds_of_KINDS():
+    """docs/usage.md's list of the kinds is ``kinds_doc()``, the rendering of ``KINDS``."""
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+    start = text.index("  The kinds:\n") + len("  The kinds:\n")
+    listed = text[start:text.index("\n\n", start)]
+    assert listed == inject.kinds_doc(), (
+        "docs/usage.md's list of the kinds differs from KINDS (base/faults.py); put "
+        "faults.kinds_doc() there:\n" + inject.kinds_doc())
+
+
+def test_the_launch_help_gives_every_kind_from_its_entry():
+    from megatron_deadpool.apps.cli import build_parser
+
+    launch = build_parser()._subparsers._group_actions[0].choices["launch"]
+    (help_text,) = [a.help for a in launch._actions if "--inject" in a.option_strings]
+    assert all(f"{k.line()}." in help_text for k in inject.KINDS.values())
+
+
+@pytest.mark.parametrize("spec,by_agent,commands", [
+    ("kill:rank=1@iter=3", False, []),
+    ("term:rank=1@iter=3,phase=optimizer", False, []),
+    ("drop:rank=1@iter=3", False, []),
+    ("kill:node=1@iter=3", True, [{"op": "signal", "signal": "SIGKILL", "lids": [1]}]),
+    ("stop:rank=1@t=2", True, [{"op": "signal", "signal": "SIGSTOP", "lids": [1]}]),
+    ("poweroff:node=1@iter=3", True,
+     [{"op": "signal", "signal": "SIGKILL", "lids": [1], "power_off": True}]),
+])
+def test_the_launcher_sends_what_the_entry_says(spec, by_agent, commands):
+    """A fault the victim cannot deliver alone goes through its agent: the entry's signals,
+    and ``power_off`` with the last signal of a kind whose agent dies with its node."""
+    import types
+
+    from megatron_deadpool.launch.fault_driver import FaultDriver
+    from megatron_deadpool.membership.procs import Proc
+
+    f = inject.parse_fault(spec)
+    assert f.by_agent is by_agent
+    sent = []
+    decider = types.SimpleNamespace(max_iteration=lambda: 3, procs={
+        0: Proc(0, 0, "active", 0), 1: Proc(1, 1, "active", 1)})
+    FaultDriver([f], decider, lambda node, cmd: sent.append((node, cmd)), log=lambda m: None,
+                claim=lambda i: True).on_request({"index": 0, "t": 100.0})
+    assert sent == [(1, c) for c in commands]

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from ..base.errors import DeadpoolError
+from ..base.faults import KINDS
 from . import drain, sim_plot
 
 
@@ -84,7 +85,9 @@ def _add_launch(lp) -> None:
                          "not a production one; launch/gpus.py)")
     lp.add_argument("--inject", action="append", default=[], metavar="SPEC",
                     help="fault to inject, repeatable: kill:node=1@iter=12, "
-                         "kill:rank=5@iter=7,phase=optimizer, stop:rank=3@iter=9")
+                         "kill:rank=5@iter=7,phase=optimizer, stop:rank=3@iter=9 (the form "
+                         "and the phases: docs/usage.md). The kinds: "
+                         + " ".join(f"{k.line()}." for k in KINDS.values()))
     lp.add_argument("--results-dir", default=None, metavar="DIR",
                     help="per-rank results and loss log (default: a temp dir)")
     lp.add_argument("--join-as-spare", action="store_true",

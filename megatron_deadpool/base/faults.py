@@ -1,21 +1,14 @@
-"""Declarative fault schedule (``kind:target=N@iter=N[,phase=P]``) and its delivery.
+"""Declarative fault schedule (``kind:target=N@iter=N[,phase=P][,param=V]``) and its delivery.
 
     kill:node=1@iter=12                  SIGKILL every process of node 1 at iteration 12
     kill:rank=5@iter=7,phase=optimizer   SIGKILL rank 5 during its optimizer step
-    poweroff:node=2@iter=6               node 2's agent and processes die together (no exit
-                                         is reported: its heartbeat finds the loss)
-    stop:rank=3@iter=9                   SIGSTOP rank 3 (a hang)
-    stop:node=2@iter=4                   SIGSTOP every process of node 2
-    stop:rank=3@iter=6,phase=save        SIGSTOP rank 3 in the save after iteration 6
-    kill:node=1@iter=6,phase=eval        SIGKILL node 1 as the evaluation after 6 begins
-    drop:rank=3@iter=2                   rank 3 rejects every mirror copy it receives from
-                                         then on (no failure: the run goes on unprotected)
-    impostor:rank=2@iter=3               rank 2 starts a client without the job secret that
-                                         knocks on every mirror listener (mirror/impostor.py)
-    drain:node=2@iter=8                  a drain of node 2 is requested at iteration 8 (the
-                                         path of `deadpool drain`: membership/drain.py)
-    slow:node=2@iter=4,factor=3          node 2's processes compute 3x slower from iteration 4
-                                         (a straggler: --deadpool-straggler-swap)
+    slow:node=2@iter=4,factor=3          a kind's own parameter (``factor=``)
+    stop:node=2@t=30                     unstaged: 30 s after training began, from outside
+
+The kinds are ``KINDS``, one ``FaultKind`` entry each: its parameters, its signal sequence
+(or, empty, an action in the rank), where it can be delivered and its one-line help; the
+parser, the validation, both deliveries, ``deadpool launch --help`` and docs/usage.md's list
+read it.
 
     iteration:  ... | forward_backward | optimizer | mirror | ... next iteration
                           ^ default        ^              ^  (phase= picks the point)
@@ -28,10 +21,12 @@ The launcher parses and validates the ``--inject`` specs once and passes the sch
 worker (``base/worker_env.py``). ``Fault.index`` (its position) is the fault's unique id.
 
 Delivery (:class:`FaultPoints`, in the worker): the first process at a fault's point claims
-and reports it. A rank fault's victim signals itself at once (in the optimizer step after a
-seeded sub-millisecond delay: a torn step). A node fault's victim waits while its agent
-signals the whole node in one pass, as a real node loss takes it (``launch/``, which also
-delivers ``@t=S`` faults); detection has no injected case (``procs.py: window_over``).
+and reports it. A rank fault's victim signals itself at once when its kind sends one signal
+(in the optimizer step after a seeded sub-millisecond delay: a torn step). Otherwise
+(``Fault.by_agent``: a node fault, or a sequence a stopped process could not finish) the
+victim waits while its agent signals, as a real node loss takes a whole node in one pass
+(``launch/``, which also delivers ``@t=S`` faults and the waits of a sequence); detection
+has no injected case (``procs.py: window_over``).
 """
 
 from __future__ import annotations
@@ -40,15 +35,16 @@ import json
 import os
 import random
 import signal as _signal
+import textwrap
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from .errors import ConfigError
 from .vocabulary import FAULT_PHASES, Phase, ValueEnum
 
-NODE_SIGNAL_WAIT_S = 10.0  # a node fault's victim, then it signals itself (no agent pass)
+NODE_SIGNAL_WAIT_S = 10.0  # a victim that waits for its agent, then it signals itself
 
 
 class Kind(ValueEnum):
@@ -66,49 +62,132 @@ class Kind(ValueEnum):
     SLOW = "slow"
 
 
+class Target(ValueEnum):
+    """What a fault hits (``kind:node=N`` or ``kind:rank=N``)."""
+
+    NODE = "node"
+    RANK = "rank"
+
+
+@dataclass(frozen=True)
+class Param:
+    """A number a kind takes (``name=V`` after the ``@``); it must be at least ``low``
+    (``strict``: above it). ``default`` None: the spec must give it."""
+
+    name: str
+    symbol: str  # its letter in the help: factor=F
+    low: float
+    strict: bool = False
+    default: Optional[float] = None
+
+    def rule(self) -> str:
+        return f"{self.symbol} {'>' if self.strict else '>='} {self.low:g}"
+
+    def valid(self, v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and (
+            v > self.low if self.strict else v >= self.low)
+
+    def help(self) -> str:
+        default = "" if self.default is None else f", default {self.default:g}"
+        return f"{self.name}={self.symbol}, {self.rule()}{default}"
+
+
+@dataclass(frozen=True)
+class Wait:
+    """A pause in a kind's signal sequence: as many seconds as its parameter ``param``."""
+
+    param: str
+
+
+Step = Union[str, Wait]  # a signal's name ("SIGKILL") or a pause
+
+
 @dataclass(frozen=True)
 class FaultKind:
-    """One kind of fault, the only place a kind is described. A signal kind is delivered as
-    ``signal`` (to the process that reaches the point; its node agent signals the node's
-    others). Any other kind is an action the worker binds by its ``Kind`` (``actions`` of
-    :class:`FaultPoints`: ``recovery/fault_points.py``)."""
+    """One kind of fault, the only place a kind is described. ``sequence``: the signals it
+    sends (and the pauses between them), to the process that reaches the point or, for
+    ``Fault.by_agent``, through the victims' agents; empty: an action the worker binds by
+    ``name`` (``actions`` of :class:`FaultPoints`: ``recovery/fault_points.py``)."""
 
     name: Kind
-    signal: Optional[str] = None  # e.g. "SIGKILL"; None: an action in the rank
-    rank_only: bool = False       # targets one rank (kind:rank=N), never a node
-    node_only: bool = False       # targets a node (kind:node=N), never one rank
-    claimed: bool = True          # fires once in the job (False: on every rank it targets)
-    factor: bool = False          # takes ``factor=F`` (F > 1)
-    what: str = ""
+    what: str  # its one-line help
+    sequence: Tuple[Step, ...] = ()
+    params: Tuple[Param, ...] = ()
+    targets: Tuple[Target, ...] = (Target.NODE, Target.RANK)  # where it can be delivered
+    timed: bool = False       # may be given as @t=S (unstaged, from outside)
+    claimed: bool = True      # fires once in the job (False: on every rank it targets)
+    power_off: bool = False   # its node's agent dies with the last signal (no exit reported)
+
+    def __post_init__(self) -> None:
+        names = {p.name for p in self.params}
+        steps_ok = all(isinstance(s, str) or s.param in names for s in self.sequence)
+        if not steps_ok or (self.sequence and not isinstance(self.sequence[0], str)) or (
+                self.timed and not self.sequence):
+            raise ValueError(f"fault kind {self.name}: a sequence starts with a signal, waits "
+                             "for one of its params, and only a signal kind is timed")
+
+    def signals(self) -> Tuple[str, ...]:
+        return tuple(s for s in self.sequence if isinstance(s, str))
+
+    def param(self, name: str) -> Optional[Param]:
+        return next((p for p in self.params if p.name == name), None)
+
+    def terms(self) -> str:
+        """Its signals, where it can be delivered and its parameters, in words."""
+        terms = [", ".join(s if isinstance(s, str) else f"wait {s.param} s"
+                           for s in self.sequence)] if self.sequence else []
+        if len(self.targets) == 1:
+            terms.append(f"{self.targets[0]} only")
+        if not self.timed:
+            terms.append("@iter only")
+        return "; ".join(terms + [p.help() for p in self.params])
+
+    def line(self) -> str:
+        """Its one-line help: ``name (terms): what``."""
+        return f"{self.name} ({self.terms()}): {self.what}"
 
 
 KINDS: Dict[Kind, FaultKind] = {k.name: k for k in (
-    FaultKind(Kind.KILL, "SIGKILL", what="the process dies"),
-    FaultKind(Kind.STOP, "SIGSTOP", what="the process hangs"),
-    FaultKind(Kind.TERM, "SIGTERM", what="the process is asked to stop"),
-    FaultKind(Kind.SEGV, "SIGSEGV", what="the process crashes"),
-    # the node agent and its processes die together, as when a machine loses power: no
-    # exit is reported, the node's heartbeat stops and the decider finds the loss by it
-    FaultKind(Kind.POWEROFF, "SIGKILL", node_only=True,
-              what="the node loses power: its agent and every process die at once"),
-    # a local error raised by the rank itself (an exception in its step): the job must fail
-    # fast, no recovery
-    FaultKind(Kind.RAISE, claimed=False, what="an exception in the rank's step"),
-    # the rank rejects every mirror copy it receives from then on (a holder that loses
-    # copies; no failure: the run goes on unprotected)
-    FaultKind(Kind.DROP, rank_only=True, what="the rank's held copies are rejected"),
-    # the rank starts a foreign mirror client (the listeners must refuse it)
-    FaultKind(Kind.IMPOSTOR, rank_only=True, what="a client without the secret knocks"),
-    # a drain of the node is requested (the path of `deadpool drain`: membership/drain.py)
-    FaultKind(Kind.DRAIN, what="the node is drained: its ranks move to spares"),
-    # every targeted process computes FACTOR times slower from then on (a straggler)
-    FaultKind(Kind.SLOW, claimed=False, factor=True, what="it computes F times slower"),
+    FaultKind(Kind.KILL, "the process dies", ("SIGKILL",), timed=True),
+    FaultKind(Kind.STOP, "the process hangs; the heartbeat timeout finds it, then it is fenced",
+              ("SIGSTOP",), timed=True),
+    FaultKind(Kind.TERM, "the process is asked to stop", ("SIGTERM",), timed=True),
+    FaultKind(Kind.SEGV, "the process crashes", ("SIGSEGV",), timed=True),
+    FaultKind(Kind.POWEROFF, "the node loses power: its agent and every process die at once, "
+              "no exit is reported, the heartbeats find the loss and the whole node goes in "
+              "one plan", ("SIGKILL",), targets=(Target.NODE,), timed=True, power_off=True),
+    FaultKind(Kind.RAISE, "an exception in the rank's step: a local error, the job must fail "
+              "fast", claimed=False),
+    FaultKind(Kind.DROP, "the rank rejects every mirror copy it receives from then on: "
+              "nothing fails, the run must say it is unprotected", targets=(Target.RANK,)),
+    FaultKind(Kind.IMPOSTOR, "the rank starts a client without the job secret that knocks on "
+              "every mirror listener; they must refuse it (mirror/impostor.py)",
+              targets=(Target.RANK,)),
+    FaultKind(Kind.DRAIN, "a drain of the node is requested, the path of `deadpool drain` "
+              "(planned-swaps.md): its ranks move to spares"),
+    FaultKind(Kind.SLOW, "every targeted process burns (F - 1) x its own compute per "
+              "iteration from then on: a straggler", params=(Param("factor", "F", 1.0, True),),
+              claimed=False),
 )}
-SIGNALS = {k.name: k.signal for k in KINDS.values() if k.signal}
+
+
+def kinds_doc() -> str:
+    """docs/usage.md's list of the kinds, an item each (a test compares the two)."""
+    return "\n".join(textwrap.fill(f"`{k.name}` ({k.terms()}): {k.what}.", 92,
+                                    initial_indent="  * ", subsequent_indent="    ",
+                                    break_long_words=False, break_on_hyphens=False)
+                      for k in KINDS.values())
+
+
 PHASES = tuple(p.value for p in FAULT_PHASES)
-TARGETS = ("node", "rank")
-FORM = (f"{'|'.join(KINDS)}:node=N|rank=N@iter=N[,phase={'|'.join(PHASES)}][,factor=F] or "
-        "...@t=SECONDS (unstaged, from outside)")
+PARAMS: Dict[str, Param] = {p.name: p for k in KINDS.values() for p in k.params}
+OPTIONS = ("iter", "phase", "t", *PARAMS)  # what may follow the '@'
+FORM = (f"{'|'.join(KINDS)}:node=N|rank=N@iter=N[,phase={'|'.join(PHASES)}]"
+        + "".join(f"[,{p.name}={p.symbol}]" for p in PARAMS.values())
+        + " or ...@t=SECONDS (unstaged, from outside)")
+TARGETS = tuple(t.value for t in Target)
+TARGET_WORDS = {Target.NODE: "a node", Target.RANK: "one rank"}
+Params = Tuple[Tuple[str, float], ...]
 
 
 class InjectedLocalError(RuntimeError):
@@ -131,7 +210,7 @@ class Fault:
     phase: Phase = Phase.FORWARD_BACKWARD
     index: int = 0
     at_s: Optional[float] = None  # unstaged: seconds after training began, not a fault point
-    factor: Optional[float] = None  # a kind that takes one (slow): how many times slower
+    params: Params = ()  # its kind's parameters, (name, value) in the kind's order
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -144,27 +223,63 @@ class Fault:
         if (self.node is None) == (self.rank is None):
             raise ConfigError(f"a fault targets exactly one of node or rank, got "
                               f"node={self.node!r} rank={self.rank!r}")
-        if KINDS[self.kind].rank_only and self.node is not None:
-            raise ConfigError(f"a '{self.kind}' fault targets one rank "
-                              f"({self.kind}:rank=N@iter=N)")
-        if KINDS[self.kind].node_only and self.rank is not None:
-            raise ConfigError(f"a '{self.kind}' fault targets a node "
-                              f"({self.kind}:node=N@iter=N)")
+        kind = KINDS[self.kind]
+        target = Target.NODE if self.node is not None else Target.RANK
+        if target not in kind.targets:
+            only = kind.targets[0]
+            raise ConfigError(f"a '{self.kind}' fault targets {TARGET_WORDS[only]} "
+                              f"({self.kind}:{only}=N@iter=N)")
         if self.at_s is not None:
-            if KINDS[self.kind].signal is None:
+            if not kind.timed:
                 raise ConfigError(f"a '{self.kind}' fault runs inside the rank: it needs @iter=N")
             if not isinstance(self.at_s, (int, float)) or self.at_s < 0:
                 raise ConfigError(f"fault time must be >= 0 seconds, got {self.at_s!r}")
-        if KINDS[self.kind].factor != (self.factor is not None) or (
-                self.factor is not None and not (isinstance(self.factor, (int, float))
-                                                 and self.factor > 1)):
-            raise ConfigError(f"a '{self.kind}' fault " + (
-                f"needs factor=F with F > 1, got {self.factor!r}" if KINDS[self.kind].factor
-                else "takes no factor="))
+        object.__setattr__(self, "params", self._checked_params(kind))
         for name in ("iteration", "index", "node", "rank"):
             v = getattr(self, name)
             if v is not None and not _is_int(v):
                 raise ConfigError(f"fault {name} must be an integer, got {v!r}")
+
+    def _checked_params(self, kind: FaultKind) -> Params:
+        """The kind's parameters in its order, defaults filled in (JSON gives lists)."""
+        try:
+            given = dict(self.params)
+        except (TypeError, ValueError):
+            raise ConfigError(f"fault params must be (name, value) pairs, "
+                              f"got {self.params!r}") from None
+        for name in given:
+            if kind.param(name) is None:
+                raise ConfigError(f"a '{self.kind}' fault takes no {name}=")
+        out = []
+        for p in kind.params:
+            v = given.get(p.name, p.default)
+            if not p.valid(v):
+                raise ConfigError(f"a '{self.kind}' fault needs {p.name}={p.symbol} with "
+                                  f"{p.rule()}, got {v!r}")
+            out.append((p.name, v))
+        return tuple(out)
+
+    def param(self, name: str) -> float:
+        """The value of its kind's parameter ``name`` (e.g. ``slow``'s ``factor``)."""
+        return dict(self.params)[name]
+
+    @property
+    def by_agent(self) -> bool:
+        """Whether the victims' agents send its signals: a node fault (the node in one pass),
+        an unstaged one, or a sequence a stopped or dead victim could not finish itself."""
+        sequence = KINDS[self.kind].sequence
+        return bool(sequence) and (self.node is not None or self.at_s is not None
+                                   or len(sequence) > 1)
+
+    def signal_times(self) -> List[Tuple[float, str]]:
+        """Its kind's signals, each with its offset in seconds from the first (the waits)."""
+        out, offset = [], 0.0
+        for step in KINDS[self.kind].sequence:
+            if isinstance(step, Wait):
+                offset += self.param(step.param)
+            else:
+                out.append((offset, step))
+        return out
 
     def targets(self, rank: int, node: int) -> bool:
         """Whether a worker with global ``rank`` running on ``node`` is hit by this fault."""
@@ -175,11 +290,11 @@ class Fault:
     def describe(self) -> str:
         """The spec form of this fault (``parse_fault(f.describe()) == f`` up to index)."""
         target = f"node={self.node}" if self.node is not None else f"rank={self.rank}"
+        params = "".join(f",{name}={v:g}" for name, v in self.params)
         if self.at_s is not None:
-            return f"{self.kind}:{target}@t={self.at_s:g}"
+            return f"{self.kind}:{target}@t={self.at_s:g}{params}"
         phase = "" if self.phase is Phase.FORWARD_BACKWARD else f",phase={self.phase.value}"
-        factor = "" if self.factor is None else f",factor={self.factor:g}"
-        return f"{self.kind}:{target}@iter={self.iteration}{phase}{factor}"
+        return f"{self.kind}:{target}@iter={self.iteration}{phase}{params}"
 
 
 def _bad(spec: str, what: str) -> ConfigError:
@@ -192,12 +307,37 @@ def _int(spec: str, name: str, text: str) -> int:
     return int(text)
 
 
+def _options(spec: str, tail: str) -> Dict[str, str]:
+    """The ``key=value`` items after the ``@``, each one of ``OPTIONS`` and given once."""
+    allowed = ", ".join(f"{o}=" for o in OPTIONS[:-1]) + f" and {OPTIONS[-1]}="
+    fields: Dict[str, str] = {}
+    for item in tail.split(","):
+        key, eq, val = item.partition("=")
+        if not eq or key not in OPTIONS:
+            raise _bad(spec, f"unknown option {item!r} ({allowed} are allowed)")
+        if key in fields:
+            raise _bad(spec, f"{key}= given twice")
+        fields[key] = val
+    return fields
+
+
+def _params(spec: str, fields: Dict[str, str]) -> Params:
+    """The kinds' parameters given in the spec (which the kind takes: ``Fault`` checks)."""
+    out = []
+    for name in PARAMS:
+        if name in fields:
+            try:
+                out.append((name, float(fields[name])))
+            except ValueError:
+                raise _bad(spec, f"{name} must be a number, got {fields[name]!r}") from None
+    return tuple(out)
+
+
 def parse_fault(spec: str, index: int = 0) -> Fault:
     """Parse one ``--inject`` spec; raises :class:`ConfigError` (one line) when malformed."""
     if not isinstance(spec, str):
         raise ConfigError(f"bad --inject spec {spec!r}: not a string; expected {FORM}")
-    s = spec.strip()
-    head, at, tail = s.partition("@")
+    head, at, tail = spec.strip().partition("@")
     if not at:
         raise _bad(spec, "missing '@iter=N'")
     kind, colon, target = head.partition(":")
@@ -209,15 +349,8 @@ def parse_fault(spec: str, index: int = 0) -> Fault:
     if not eq or tkey not in TARGETS:
         raise _bad(spec, f"target must be node=N or rank=N, got {target!r}")
     tnum = _int(spec, tkey, tval)
-    fields = {}
-    for item in tail.split(","):
-        key, eq, val = item.partition("=")
-        if not eq or key not in ("iter", "phase", "t", "factor"):
-            raise _bad(spec, f"unknown option {item!r} (iter=, phase=, t= and factor= are "
-                             "allowed)")
-        if key in fields:
-            raise _bad(spec, f"{key}= given twice")
-        fields[key] = val
+    node, rank = (tnum, None) if tkey == Target.NODE else (None, tnum)
+    fields = _options(spec, tail)
     if "t" in fields:
         if "iter" in fields or "phase" in fields:
             raise _bad(spec, "t= (a wall-clock instant) excludes iter= and phase=")
@@ -225,21 +358,16 @@ def parse_fault(spec: str, index: int = 0) -> Fault:
             at_s = float(fields["t"])
         except ValueError:
             raise _bad(spec, f"t must be a number of seconds, got {fields['t']!r}") from None
-        return Fault(kind=kind, iteration=0, node=tnum if tkey == "node" else None,
-                     rank=tnum if tkey == "rank" else None, index=index, at_s=at_s)
+        return Fault(kind=kind, iteration=0, node=node, rank=rank, index=index, at_s=at_s,
+                     params=_params(spec, fields))
     if "iter" not in fields:
         raise _bad(spec, "missing 'iter=N' after '@'")
     iteration = _int(spec, "iter", fields["iter"])
     phase = fields.get("phase", Phase.FORWARD_BACKWARD.value)
     if phase not in PHASES:
         raise _bad(spec, f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
-    try:
-        factor = float(fields["factor"]) if "factor" in fields else None
-    except ValueError:
-        raise _bad(spec, f"factor must be a number, got {fields['factor']!r}") from None
-    return Fault(kind=kind, iteration=iteration, node=tnum if tkey == "node" else None,
-                 rank=tnum if tkey == "rank" else None, phase=phase, index=index,
-                 factor=factor)
+    return Fault(kind=kind, iteration=iteration, node=node, rank=rank, phase=phase,
+                 index=index, params=_params(spec, fields))
 
 
 def parse_schedule(specs: Sequence[str]) -> List[Fault]:
@@ -292,7 +420,8 @@ class FaultPoints:
     """The worker side of a schedule. ``claim(index)`` returns True for exactly one caller in
     the whole job (a store counter), so a fault fires once even when a replacement re-runs
     the iteration; ``report(fault, iteration, phase)`` tells the launcher before it acts.
-    ``actions``: what each kind without a signal does in this worker, by its ``Kind``."""
+    ``actions``: what each kind without a signal sequence does in this worker, by the
+    ``name`` of its ``KINDS`` entry."""
 
     def __init__(self, faults: Sequence[Fault], rank: Callable[[], int], node: int,
                  claim: Callable[[int], bool], report: Callable[[Fault, int, str], None],
@@ -318,10 +447,10 @@ class FaultPoints:
                 if not self.claim(f.index):
                     continue
                 self.report(f, iteration, phase)
-            if kind.signal is not None and f.node is not None:
-                self._await_node_signal(f, getattr(_signal, kind.signal))
-            elif kind.signal is not None:
-                self._signal(f, getattr(_signal, kind.signal), phase)
+            if f.by_agent:
+                self._await_agent(f, getattr(_signal, kind.signals()[0]))
+            elif kind.sequence:  # one signal, sent by the victim itself
+                self._signal(f, getattr(_signal, kind.signals()[0]), phase)
             elif f.kind in self.actions:
                 effect = self.actions[f.kind](f, iteration)
                 if effect is not None:
@@ -336,8 +465,9 @@ class FaultPoints:
         else:
             self.kill(sig)
 
-    def _await_node_signal(self, f: Fault, sig: int) -> None:
-        """The agent signals the whole node, this process included, in one pass."""
+    def _await_agent(self, f: Fault, sig: int) -> None:
+        """The agent sends the signals (to the whole node, this process included, in one
+        pass for a node fault); ``sig`` is the first of them."""
         time.sleep(NODE_SIGNAL_WAIT_S)
         self.kill(sig)  # no agent pass came: the fault still lands
 

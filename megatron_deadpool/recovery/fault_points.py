@@ -1,13 +1,10 @@
-"""The worker's fault points, wired to what each fault kind acts on: the signal kinds
-signal this process (``base/faults.py``); the other kinds are actions on what this rank
-protects (``attachment``: control/attachment.py) and on the current generation's link
-(``links``: control/link.py), bound here by kind name: ``drop`` makes this rank's holder
-refuse the copies that arrive, ``impostor`` starts a thread that attacks the mirror
-listeners of the current link's transport (``mirror/impostor.py``), ``drain`` asks the decider to drain
-this process's node (membership/drain.py), ``slow`` returns a lasting effect that makes
-every later step burn (factor - 1) x the rank's compute per step (a straggler that still
-progresses). Every delivery is reported to the decider first (a ``fault_request`` event: it
-times detection from there)."""
+"""The worker's fault points, wired to what each fault kind acts on. A kind with a signal
+sequence needs nothing here (``base/faults.py`` delivers it); a kind without one is an action,
+bound here by the ``name`` of its ``KINDS`` entry, on what this rank protects
+(``attachment``: control/attachment.py), on the current generation's link (``links``:
+control/link.py) or on the decider (``member``). An action may return a lasting effect
+(``straggle``: every later step burns more compute). Every delivery is reported to the
+decider first (a ``fault_request`` event: it times detection from there)."""
 
 from __future__ import annotations
 
@@ -34,13 +31,13 @@ def worker_fault_points(env, member, rank: Callable[[], int], attachment, links
                           text=f"--inject {fault.describe()}")
 
     def slow(fault, iteration: int) -> Callable[[], None]:
-        return straggle(fault.factor, attachment.status()["compute_s"])
+        return straggle(fault.param("factor"), attachment.status()["compute_s"])
 
     def knock(fault, iteration: int) -> None:  # its thread is no lasting effect
         impostor.start(links.current.transport)
 
-    actions = {Kind.DROP: lambda fault, it: attachment.mirror.drop_arrivals(it),
-               Kind.IMPOSTOR: knock,
+    actions = {Kind.DROP: lambda fault, it: attachment.mirror.drop_arrivals(it),  # holder
+               Kind.IMPOSTOR: knock,  # a thread knocks on the listeners (mirror/impostor.py)
                Kind.DRAIN: drain,
                Kind.SLOW: slow}
     return FaultPoints(env.faults, rank=rank, node=env.node, claim=member.claim_fault,
