@@ -39,7 +39,7 @@ def worker_fault_points(env, member, rank: Callable[[], int], attachment, links
     def knock(fault, iteration: int) -> None:  # its thread is no lasting effect
         impostor.start(links.current.transport)
 
-    actions = {Kind.DROP: lambda fault, it: attachment.mirror.drop_arrivals(it),
+    actions = {Kind.DROP: lambda fault, it: attachment.rejections.drop_arrivals(it),
                Kind.IMPOSTOR: knock,
                Kind.DRAIN: drain,
                Kind.SLOW: slow}
