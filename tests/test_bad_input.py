@@ -35,6 +35,7 @@ from megatron_deadpool.membership.assign import assign_spares
 from megatron_deadpool.base.config import DeciderConfig
 from megatron_deadpool.membership.decider import Decider, Proc
 from megatron_deadpool.mirror import snapshot
+from megatron_deadpool.mirror.exchange import Exchange
 from megatron_deadpool.mirror.mirror import Mirror
 from megatron_deadpool.trainer.args import check_layout
 
@@ -285,14 +286,13 @@ class _BuddyTransport:
 
 def _restore_from_buddy(copy, live, owner=3, it=7):
     """A spare that took rank ``owner`` receives the buddy's ``copy`` into its own slot and
-    restores it (Mirror.transfer_for_restore + restore_local, as recovery does)."""
-    m = Mirror(owner, replicas=1, meta_capacity=1 << 14)
+    restores it (Exchange.transfer_for_restore + Mirror.restore_local, as recovery does)."""
+    m = Mirror(owner, replicas=1, meta_capacity=1 << 14, sources=lambda: live)
     try:
         m.job = JOB
-        m.set_sources(lambda: live)
         m.ensure_layout()
-        m.transport = _BuddyTransport(copy)
-        m.transfer_for_restore(it, serve=[], receive_from=5)
+        exchange = Exchange(m.holdings, _BuddyTransport(copy), [], [], 1)
+        exchange.transfer_for_restore(it, serve=[], receive_from=5)
         return m.restore_local(it)
     finally:
         m.close()

@@ -40,9 +40,6 @@ class _FakeMirror:
     def ensure_layout(self):
         return self.layout
 
-    def held_slots(self):
-        return self.own.copies() + self.held.copies()
-
     def seal(self, iteration):
         self.own.rewrite(iteration)
         slot = self.own.slot(iteration)

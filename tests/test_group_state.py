@@ -12,6 +12,7 @@ SCRIPT = textwrap.dedent("""
     import solo
     from megatron_deadpool.adapters import shard
     from megatron_deadpool.adapters import train_state as ts
+    from megatron_deadpool.mirror.exchange import Exchange
     from megatron_deadpool.mirror.mirror import Mirror
     from megatron_deadpool.mirror.rounds import StoreRounds
     from types import SimpleNamespace
@@ -59,11 +60,10 @@ SCRIPT = textwrap.dedent("""
 
     p = Attachment(MirrorSettings(replicas=1, create_timeout_s=60, op_timeout_s=60))
     p.model, p.optimizer, p.scheduler, p.train_state = model, opt, sched, state
-    m = Mirror(0, 1)
-    m.set_sources(lambda: shard.shard_tensors(opt, placeholders=True)
-                  + shard.unreplicated_tensors(model, 1))
-    m.transport, m.buddies, m.holds, m._sizes = solo.SoloTransport(), [], [], None
-    p.mirror = m
+    m = Mirror(0, 1, sources=lambda: shard.shard_tensors(opt, placeholders=True)
+               + shard.unreplicated_tensors(model, 1))
+    m.exchange = Exchange(m.holdings, solo.SoloTransport(), [], [], 1)
+    p.mirror, p.commits = m, m.commits
     link = SimpleNamespace(rounds=StoreRounds(torch.distributed.HashStore(), 0, 1))  # as Links.connect makes it
     p._initial_commit_pending = True
     p.before_step(0)

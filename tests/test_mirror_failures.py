@@ -18,7 +18,7 @@ from megatron_deadpool.recovery import alarms
 from megatron_deadpool.control import attachment, link
 from megatron_deadpool.base.worker_env import PROGRESS_PREFIX
 from conftest import launch, layout_flags
-from test_mirror_host import _Pair, _named
+from test_mirror_host import _Pair, _connect, _named
 
 
 class _Dropping(_Pair):
@@ -46,10 +46,9 @@ class _Dropping(_Pair):
 
 
 def _implicit_pair(transport, board):
-    ms = [Mirror(r, replicas=1, meta_capacity=1 << 12) for r in (0, 1)]
+    ms = [Mirror(r, replicas=1, meta_capacity=1 << 12, sources=_named) for r in (0, 1)]
     for r, m in enumerate(ms):
-        m.set_sources(_named)
-        m.transport, m.buddies, m.holds, m._sizes = transport.end(r), [1 - r], [1 - r], None
+        _connect(m, transport.end(r), [1 - r])
         m.commits.implicit = True
         m.commits.board = board
     return ms
@@ -68,14 +67,14 @@ def test_an_owner_does_not_commit_a_copy_its_holder_rejected():
     first one, and rank 0, whose own verify saw nothing wrong, commits nothing either."""
     ms = _implicit_pair(_Dropping(victim=1), RejectionBoard(HashStore()))
     seen = []
-    ms[1].on_copy_rejected = lambda holder, owner, it, why: seen.append((holder, owner, it))
+    ms[1].rejections.hook = lambda holder, owner, it, why: seen.append((holder, owner, it))
     try:
         _steps(ms, [0])
         assert seen == [(1, 0, 0)]  # within the iteration it happened
         _steps(ms, [1, 2, 3])
-        assert seen == [(1, 0, it) for it in range(4)] and ms[1].rejected_copies == 4
-        assert [m.committed for m in ms] == [-1, -1]
-        assert [m.failed_commits for m in ms] == [3, 4]  # 3 settled on rank 0 so far
+        assert seen == [(1, 0, it) for it in range(4)] and ms[1].rejections.count == 4
+        assert [m.commits.committed for m in ms] == [-1, -1]
+        assert [m.commits.failed for m in ms] == [3, 4]  # 3 settled on rank 0 so far
     finally:
         for m in ms:
             m.close()
@@ -85,7 +84,8 @@ def test_a_healthy_pair_still_commits_implicitly_with_a_board():
     ms = _implicit_pair(_Pair(), RejectionBoard(HashStore()))
     try:
         _steps(ms, [0, 1, 2])
-        assert [m.committed for m in ms] == [1, 1] and [m.rejected_copies for m in ms] == [0, 0]
+        assert [m.commits.committed for m in ms] == [1, 1]
+        assert [m.rejections.count for m in ms] == [0, 0]
     finally:
         for m in ms:
             m.close()
@@ -105,7 +105,8 @@ def _protected(committed):
     events = []
     p = attachment.Attachment(link.MirrorSettings(create_timeout_s=1.0, op_timeout_s=1.0),
                             emit=lambda event, **f: events.append((event, f)))
-    p.mirror = SimpleNamespace(rank=3, committed=committed)
+    p.mirror = SimpleNamespace(rank=3)
+    p.commits = SimpleNamespace(committed=committed)  # the mirror's commit tracker
     return p, events
 
 
@@ -151,10 +152,10 @@ def test_a_drop_fault_targets_one_rank_at_an_iteration():
 
 def test_a_holder_with_the_drop_fault_rejects_what_arrives():
     ms = _implicit_pair(_Pair(), RejectionBoard(HashStore()))
-    ms[1].drop_arrivals(1)
+    ms[1].rejections.drop_arrivals(1)
     try:
         _steps(ms, [0, 1, 2])
-        assert ms[1].rejected_copies == 2 and ms[0].rejected_copies == 0
+        assert ms[1].rejections.count == 2 and ms[0].rejections.count == 0
         assert ms[1].held.iters[0] == [-1, -1] and ms[0].held.iters[1] == [2, 1]
     finally:
         for m in ms:

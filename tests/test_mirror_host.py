@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_deadpool.mirror import d2h, snapshot
+from megatron_deadpool.mirror.exchange import Exchange
 from megatron_deadpool.mirror.meter import Meter
 from megatron_deadpool.mirror.mirror import Mirror
 
@@ -32,6 +33,12 @@ class _Transport:
         return ok
 
 
+def _connect(m, transport, peers):
+    """``m`` exchanges over ``transport`` with ``peers`` as its buddies and its owners."""
+    m.exchange = Exchange(m.holdings, transport, peers, peers, m.replicas)
+    return m.exchange
+
+
 def _named():
     flat = torch.arange(64, dtype=torch.float32)  # 3 views, 64-byte multiples, adjacent
     return [("a", flat[:16]), ("b", flat[16:48]), ("c", flat[48:]),
@@ -50,14 +57,13 @@ def test_only_the_own_slots_are_pinned(monkeypatch):
         return real(nbytes, False)  # this machine may have no pinned allocator
 
     monkeypatch.setattr(snapshot, "alloc_slot", alloc)
-    m = Mirror(0, replicas=1, meta_capacity=1 << 12)
+    m = Mirror(0, replicas=1, meta_capacity=1 << 12, sources=_named)
     try:
         m.pin = True  # as with CUDA present
-        m.set_sources(_named)
-        m.transport, m.buddies, m.holds, m._sizes = _Transport(), [1], [1], None
+        exchange = _connect(m, _Transport(), [1])
         m.ensure_layout()
         assert pins == [True, True]
-        m._alloc_recv()
+        exchange._alloc_recv()
         assert pins == [True, True, False, False]
     finally:
         m.close()
@@ -97,9 +103,8 @@ def test_snapshot_copies_run_on_the_mirror_thread(monkeypatch):
 
     monkeypatch.setattr(d2h.Copier, "copy", spy)
     meter = Meter()
-    m = Mirror(0, replicas=0, meta_capacity=1 << 12, meter=meter)
+    m = Mirror(0, replicas=0, meta_capacity=1 << 12, meter=meter, sources=_named)
     try:
-        m.set_sources(_named)
         m.set_topology(_Transport(), ["node0"])
         m.begin(1, {"iteration": 1})
         m.wait()
@@ -119,17 +124,17 @@ def test_replicas_zero_keeps_the_local_double_buffer_only():
     """No buddy, no exchange, no collective: each snapshot commits locally and restores."""
     t = _Transport()
     named = _named()
-    m = Mirror(0, replicas=0, meta_capacity=1 << 12)
+    m = Mirror(0, replicas=0, meta_capacity=1 << 12, sources=lambda: named)
     try:
-        m.set_sources(lambda: named)
         m.set_topology(t, ["node0"])  # one node: fine without replicas
         for it in (1, 2, 3):
             m.begin(it, {"iteration": it})
             m.wait()
-            assert m.committed == it
-        assert t.calls == [] and m.buddies == [] and m.holds == [] and m.held.slots == {}
+            assert m.commits.committed == it
+        ex = m.exchange
+        assert t.calls == [] and ex.buddies == [] and ex.holds == [] and m.held.slots == {}
         assert m.memory()["host_bytes"] == 2 * m.layout.total_bytes
-        assert m.inventory() == {"own": [2, 3], "committed": 3, "copies": {}}
+        assert ex.inventory() == {"own": [2, 3], "committed": 3, "copies": {}}
         before = [x.clone() for _, x in named]
         for _, x in named:
             x.mul_(0)
@@ -159,10 +164,9 @@ def test_replicas_zero_config_and_spares_refused():
 def test_a_buddy_gets_the_sealed_bytes_only():
     """The unused metadata capacity of the slot does not travel (``snapshot.sealed``)."""
     t = _Transport()
-    m = Mirror(0, replicas=1, meta_capacity=1 << 12)
+    m = Mirror(0, replicas=1, meta_capacity=1 << 12, sources=_named)
     try:
-        m.set_sources(_named)
-        m.transport, m.buddies, m.holds, m._sizes = t, [1], [1], None
+        _connect(m, t, [1])
         m.begin(1, {"iteration": 1})
         m.wait()
         h = snapshot.read_header(m.own.slot(1))
@@ -209,29 +213,28 @@ def test_a_held_copy_is_checksummed_when_needed_and_a_damaged_one_left_out():
     """Receipt checks the header only; the inventory (the restore decision) checks each
     held copy's checksum once, and leaves out one damaged after it arrived."""
     pair = _Pair()
-    ms = [Mirror(r, replicas=1, meta_capacity=1 << 12) for r in (0, 1)]
+    ms = [Mirror(r, replicas=1, meta_capacity=1 << 12, sources=_named) for r in (0, 1)]
     try:
         for r, m in enumerate(ms):
-            m.set_sources(_named)
-            m.transport, m.buddies, m.holds, m._sizes = pair.end(r), [1 - r], [1 - r], None
+            _connect(m, pair.end(r), [1 - r])
         for it in (1, 2):
             for m in ms:
                 m.begin(it, {"iteration": it})
             for m in ms:
                 m.wait()
         assert ms[0].held.crc_checked == set()  # nothing checksummed on the per-step path
-        assert ms[0].inventory()["copies"] == {"1": [1, 2]}
+        assert ms[0].exchange.inventory()["copies"] == {"1": [1, 2]}
         assert ms[0].held.crc_checked == {(1, 0), (1, 1)}
         slot = ms[1].held.slots[0][0]  # rank 1's copy of rank 0's iteration 2
         slot[ms[1].layout.entries[1].offset + 3] ^= 0x10  # damaged in memory after arrival
-        assert ms[1].inventory()["copies"] == {"0": [1]}
+        assert ms[1].exchange.inventory()["copies"] == {"0": [1]}
         assert ms[1].held.holds(0, 1) and not ms[1].held.holds(0, 2)
         ms[0].begin(3, {"iteration": 3})  # a new arrival is checked again
         ms[1].begin(3, {"iteration": 3})
         for m in ms:
             m.wait()
         assert (1, 1) not in ms[0].held.crc_checked
-        assert ms[1].inventory()["copies"] == {"0": [3]}  # 2 stays dropped
+        assert ms[1].exchange.inventory()["copies"] == {"0": [3]}  # 2 stays dropped
     finally:
         for m in ms:
             m.close()

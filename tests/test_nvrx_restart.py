@@ -21,7 +21,7 @@ import torch
 from megatron_deadpool.adapters import ft_package, lm_rules
 from megatron_deadpool.launch import nvrx
 from megatron_deadpool.mirror import persist, snapshot
-from megatron_deadpool.mirror.held import OwnSlots
+from megatron_deadpool.mirror.held import HeldCopies, OwnSlots
 from mlm import REPO, patched_tree
 from test_megatron_lm_train import FLAGS as TRAIN_FLAGS
 
@@ -61,7 +61,7 @@ def _save(root: Path, iteration: int, world: int = 2) -> None:
         snapshot.seal(slot, layout, rank, iteration, {"iteration": iteration}, 7)
         own.hold(iteration)
         m = SimpleNamespace(rank=rank, job=7, layout=layout, ensure_layout=lambda l=layout: l,
-                            held_slots=own.copies)
+                            own=own, held=HeldCopies(7))
         persist.save_held(m, str(root), man)
 
 

@@ -29,7 +29,7 @@ LAYERS = [
     ("mirror", ["placement", "snapshot", "transport_api", "transport", "gloo_transport",
                 "rounds", "round_records", "frames", "socket_transport", "handshake",
                 "metadata", "impostor", "threads", "d2h", "cost", "meter", "flat", "commit",
-                "held", "jobs", "mirror", "persist", "handoff"]),
+                "held", "exchange", "jobs", "mirror", "persist", "handoff"]),
     ("adapters", ["support", "shard", "extra_state", "train_state", "cpu_standins", "cpu_mode",
                   "lm_rules", "checkpoints", "exact_resume", "quiet", "iterators", "ddp", "training_globals",
                   "tags", "evaluation", "async_saves", "cadence", "groups", "ft_package"]),
@@ -345,6 +345,46 @@ def test_function_size(name, path):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             n = node.end_lineno - node.lineno + 1
             assert n <= MAX_FUNCTION_LINES, f"{name}.{node.name}: {n} lines"
+
+
+# The mirror's classes stay small: a class that grows past this many public methods and
+# properties (its own, a property's setter counted once) is split along a seam, as Mirror
+# was (mirror/exchange.py: the per-generation buddy exchange; issue 52).
+MAX_PUBLIC_MEMBERS = 12
+SMALL_CLASS_FOLDERS = ("mirror",)
+
+
+def _large_classes(path: pathlib.Path):
+    """``Class: n public (names)`` for each class of ``path`` over ``MAX_PUBLIC_MEMBERS``."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        public = sorted({f.name for f in node.body if isinstance(
+            f, (ast.FunctionDef, ast.AsyncFunctionDef)) and not f.name.startswith("_")})
+        if len(public) > MAX_PUBLIC_MEMBERS:
+            yield f"{node.name}: {len(public)} public {public}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if _folder(n) in SMALL_CLASS_FOLDERS))
+def test_mirror_classes_stay_small(name):
+    assert not list(_large_classes(MODULES[name])), \
+        f"{_shown(name)}: split along a seam (at most {MAX_PUBLIC_MEMBERS} public methods " \
+        f"and properties): {list(_large_classes(MODULES[name]))}"
+
+
+def test_the_class_size_check_sees_a_large_class(tmp_path):
+    """The checker itself can fail: one method over the limit, a property with its setter
+    counted once, private methods not counted."""
+    f = tmp_path / "m.py"
+    methods = "".join(f"    def m{i}(self):\n        pass\n" for i in range(MAX_PUBLIC_MEMBERS - 1))
+    prop = ("    @property\n    def p(self):\n        return 1\n"
+            "    @p.setter\n    def p(self, v):\n        pass\n"
+            "    def _private(self):\n        pass\n")
+    f.write_text(f"class Small:\n{methods}{prop}")
+    assert list(_large_classes(f)) == []
+    f.write_text(f"class Big:\n{methods}{prop}    def one_more(self):\n        pass\n")
+    assert [c.split(":")[0] for c in _large_classes(f)] == ["Big"]
+    assert "mirror.mirror" in MODULES and "mirror.exchange" in MODULES
 
 
 # the package root (the api) and every module of control/, found, not listed by hand

@@ -21,6 +21,8 @@ from ..adapters.support import check_supported, parallel_layout, step_barrier
 from ..base.errors import DeadpoolError
 from ..base.vocabulary import Event, Phase
 from ..mirror import meter as meters
+from ..mirror.commit import CommitTracker
+from ..mirror.exchange import Rejections
 from ..mirror.mirror import Mirror
 from ..recovery import restore
 from ..recovery.alarms import Alarms, unprotected
@@ -39,6 +41,9 @@ class Attachment:
         self.model = self.optimizer = self.scheduler = self.train_state = None
         self._extra: extra_state.Holders = []  # found at attach
         self.mirror: Optional[Mirror] = None
+        # handed to the mirror at attach and read here: its commits, the copies it refused
+        self.commits: Optional[CommitTracker] = None
+        self.rejections = Rejections(self.alarms.copy_rejected)  # also the 'drop' fault's
         self.restored_meta: Optional[dict] = None
         self._with_cuda = self._initial_commit_pending = False
 
@@ -50,17 +55,20 @@ class Attachment:
         self._extra = extra_state.holders(model)  # TE's FP8 scaling state, if any
         self._wrap_optimizer_step(optimizer, fault_points)
         dp_size = groups.data_parallel_size()
-        m = self.mirror = Mirror(rank, self.settings.replicas, use_cuda=with_cuda,
-                                 job=self.settings.job_id, meter=self.meter)
-        m.set_sources(lambda: shard.shard_tensors(optimizer, placeholders=True)
-                      + shard.unreplicated_tensors(model, dp_size))
         why_not = step_barrier(optimizer)  # mirror/commit.py
-        m.implicit_commit = why_not is None
+        self.commits = CommitTracker(implicit=why_not is None)
+
+        def sources():
+            return (shard.shard_tensors(optimizer, placeholders=True)
+                    + shard.unreplicated_tensors(model, dp_size))
+
+        m = self.mirror = Mirror(rank, self.settings.replicas, use_cuda=with_cuda,
+                                 job=self.settings.job_id, meter=self.meter, sources=sources,
+                                 commits=self.commits, rejections=self.rejections)
         if why_not is not None and self.settings.replicas:
             log.info("mirror commits with its own collective: %s", why_not)
         m.set_hooks(fault=lambda it: fault_points(it, Phase.MIRROR),
-                    committed=self.fallback.attach(m, world_size),  # e.g. periodic saves
-                    copy_rejected=self.alarms.copy_rejected)
+                    committed=self.fallback.attach(m, world_size))  # e.g. periodic saves
         self.use(link)
         self._initial_commit_pending = True
 
@@ -78,12 +86,12 @@ class Attachment:
     def status(self) -> dict:
         """What heartbeats carry of it: the newest committed iteration, and the rank's own
         compute seconds per iteration (the meter's; the straggler check reads it)."""
-        return {"committed": self.mirror.committed if self.mirror is not None else -1,
+        return {"committed": self.commits.committed if self.commits is not None else -1,
                 "compute_s": self.meter.compute_s()}
 
     def progress(self, iteration: int) -> dict:
         """For ``iteration``'s progress line: the meter's lag and wait, and the commit."""
-        c = self.mirror.committed
+        c = self.commits.committed
         return {**self.meter.progress(iteration), "committed": c,
                 "unprotected": unprotected(iteration, c)}
 
@@ -103,7 +111,7 @@ class Attachment:
         ``mirror_on`` False (a bench's mirror-off block) nothing is captured."""
         with self.meter.after_step(mirror_on):
             if mirror_on:
-                self.alarms.step(self.mirror.rank, iteration, self.mirror.committed)
+                self.alarms.step(self.mirror.rank, iteration, self.commits.committed)
                 self.mirror.begin(iteration, self._meta(iteration))
 
     def settle_snapshot(self) -> None:
@@ -178,10 +186,10 @@ class Attachment:
         return {**self.meter.report(m), **m.memory(),
                 "mirror_bytes": layout.total_bytes if layout else 0,
                 "mirror_tensor_bytes": layout.tensor_bytes if layout else 0,
-                "committed": m.committed, "failed_commits": m.failed_commits,
-                "rejected_copies": m.rejected_copies,
+                "committed": self.commits.committed, "failed_commits": self.commits.failed,
+                "rejected_copies": self.rejections.count,
                 "unprotected_steps": self.alarms.unprotected_steps,
-                "mirror_commit": "implicit" if m.implicit_commit else "collective"}
+                "mirror_commit": "implicit" if self.commits.implicit else "collective"}
 
     def close(self, abort=None) -> None:
         """Stop the mirror thread; ``abort()`` first if a snapshot job still runs (blocked on a

@@ -67,8 +67,8 @@ class RejectionBoard:
 
 
 class CommitTracker:
-    def __init__(self):
-        self.implicit = False
+    def __init__(self, implicit: bool = False):
+        self.implicit = implicit
         self.committed = -1
         self.failed = 0  # iterations whose copies did not all verify here (or anywhere)
         self._verified: Optional[int] = None  # implicit: done here, not yet proven elsewhere

@@ -1,8 +1,8 @@
 """The sealed slots a rank holds, two per owner (slot parity is ``iteration % 2``): its own
 double buffer (``OwnSlots``), and the copies it holds for other ranks as their buddy
 (``HeldCopies``): the iteration each slot holds (-1: none or being rewritten) and, for held
-copies, which have passed their checksum. Owned by ``Mirror`` (mirror.py); nobody else
-indexes a slot or writes what it holds."""
+copies, which have passed their checksum. Owned by ``Mirror`` (mirror.py) and filled by its
+generation's ``Exchange`` (exchange.py); nobody else indexes a slot or writes what it holds."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""The per-rank mirror: double-buffered local snapshots, buddy copies, commit tracking and
-the restore paths.
+"""The per-rank mirror: double-buffered local snapshots taken on its own thread, the copies
+it holds for other ranks, the commit, and the local restore. The buddy exchange of each
+generation (transport, buddies, receive sizes, rejections; recovery's inventory, transfer
+and re-protection) is ``exchange.py``'s ``Exchange``, which ``set_topology`` creates.
 
 Steady state, per iteration k (the only sync point is right before step k+1)::
 
@@ -15,25 +17,31 @@ flight, and job k must be done before step k+1 may overwrite the state it reads.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..base.errors import MirrorCorruptError, MirrorError
-from . import d2h, flat, placement, snapshot
+from ..base.errors import MirrorError
+from . import d2h, flat, snapshot
 from .commit import CommitTracker
+from .exchange import Exchange, Holdings, Rejections
 from .held import HeldCopies, OwnSlots
 from .jobs import JobThread, SnapshotJob
-from .meter import NO_CLOCK, NO_METER, NullMeter, PhaseClock
+from .meter import NO_METER, NullMeter, PhaseClock
 from .transport_api import MirrorTransport
 
 TensorsFn = Callable[[], Sequence[Tuple[str, torch.Tensor]]]
 
 
 class Mirror:
+    """``sources``: the live tensors to mirror; ``commits`` (read by whoever reports them)
+    and ``rejections`` (its hook, the 'drop' fault) are handed in or made here."""
+
     def __init__(self, rank: int, replicas: int, meta_capacity: int = 1 << 16,
                  use_cuda: bool = False, flat_state: bool = True, job: int = 0,
-                 meter: NullMeter = NO_METER):
+                 meter: NullMeter = NO_METER, sources: Optional[TensorsFn] = None,
+                 commits: Optional[CommitTracker] = None,
+                 rejections: Optional[Rejections] = None):
         self.rank = rank
         self.job = job  # snapshot.job_id(secret): copies of another job are refused
         self.meter = meter  # measurement hooks (meter.py); no-ops unless one is attached
@@ -42,52 +50,40 @@ class Mirror:
         self.meta_capacity = meta_capacity
         self.use_cuda = use_cuda
         self.pin = use_cuda and torch.cuda.is_available()
-        self.transport: Optional[MirrorTransport] = None
-        self.buddies: List[int] = []
-        self.holds: List[int] = []  # owners whose copies this rank holds
-        self._tensors_fn: Optional[TensorsFn] = None
+        self._tensors_fn = sources
         self._tensors: Optional[List[torch.Tensor]] = None
         self._stale = False
-        self.commits = CommitTracker()
-        self.rejected_copies = 0  # copies this rank received that failed their check
-        self.discard_from: Optional[int] = None  # the 'drop' test fault: see drop_arrivals
+        self.commits = commits if commits is not None else CommitTracker()
+        self.rejections = rejections if rejections is not None else Rejections()
         self.layout: Optional[snapshot.Layout] = None
         self.own = OwnSlots(rank)  # this rank's double buffer (held.py)
         self.held = HeldCopies(job)  # the copies of the owners this rank is a buddy of
-        self._sizes: Optional[Dict[int, int]] = None  # held owners' slot sizes (a generation)
+        self.exchange: Optional[Exchange] = None  # the current generation's (set_topology)
         self.fault_hook: Optional[Callable[[int], None]] = None  # after the seal (faults)
         self.on_committed: Optional[Callable[[int], None]] = None  # e.g. fallback saves
-        # (holder, owner, iteration, why), on the mirror thread: recovery/alarms.py
-        self.on_copy_rejected: Optional[Callable[[int, int, int, str], None]] = None
         # Only the own slots receive D2H copies: they alone are pinned (buddy copies arrive
         # over the CPU transport). One side stream; the main thread only records an event.
         self.copier = d2h.Copier(torch.cuda.Stream() if self.pin else None)
         self._step_done = torch.cuda.Event() if self.pin else None
         self._runs: Optional[List[d2h.Run]] = None
         self._jobs = JobThread(self._run_job, "deadpool-mirror", self._on_thread_start)
+        # what each generation's exchange fills and reads (exchange.py)
+        self.holdings = Holdings(rank, self.own, self.held, self.commits, self.rejections,
+                                 self.ensure_layout)
 
     # ------------------------------------------------------------------ wiring
-    def set_sources(self, tensors_fn: TensorsFn) -> None:
-        self._tensors_fn = tensors_fn
-
-    def set_hooks(self, fault=None, committed=None, copy_rejected=None) -> None:
+    def set_hooks(self, fault=None, committed=None) -> None:
         """Who hears of the mirror thread's moments, on that thread: ``fault(iteration)``
-        after the seal, ``committed(iteration)``, ``copy_rejected(holder, owner, it, why)``."""
-        self.fault_hook, self.on_committed, self.on_copy_rejected = fault, committed, copy_rejected
+        after the seal, ``committed(iteration)`` (a rejected copy: ``Rejections.hook``)."""
+        self.fault_hook, self.on_committed = fault, committed
 
     def set_topology(self, transport: MirrorTransport, rank_to_node: Sequence,
                      board=None) -> None:
-        """(Re)connect to a generation: new transport, buddy placement and rejection board
-        (commit.py). Receive buffers are reallocated lazily at the next exchange."""
-        self.transport = transport
+        """(Re)connect to a generation: its exchange (new transport and buddy placement) and
+        rejection board (commit.py). Receive buffers are reallocated lazily at the next
+        exchange."""
         self.commits.board = board
-        self._sizes = None
-        if self.replicas == 0:  # the local double-buffered snapshot only
-            self.buddies, self.holds = [], []
-            return
-        b = placement.buddies(rank_to_node, self.replicas)
-        self.buddies = b[self.rank]
-        self.holds = placement.holders_of(b)[self.rank]
+        self.exchange = Exchange.placed(self.holdings, transport, rank_to_node, self.replicas)
 
     def ensure_layout(self) -> snapshot.Layout:
         # The metadata capacity is fixed (not measured) so that a promoted spare computes
@@ -102,8 +98,8 @@ class Mirror:
             layout = snapshot.Layout(named, self.meta_capacity)
             if self.layout is not None and layout.layout_id == self.layout.layout_id:
                 return self.layout
-            if self.layout is not None:  # e.g. an optimizer whose state differs from placeholders
-                self._sizes = None
+            if self.layout is not None and self.exchange is not None:
+                self.exchange.forget_sizes()  # e.g. optimizer state unlike the placeholders
             self.layout = layout
             self.own.allocate(self.layout.total_bytes, self.pin)
         return self.layout
@@ -112,22 +108,6 @@ class Mirror:
         """The live tensors may have changed (the optimizer state was created or reset):
         fetch them again before the next copy in or out."""
         self._stale = True
-
-    @property
-    def committed(self) -> int:
-        return self.commits.committed
-
-    @property
-    def failed_commits(self) -> int:
-        return self.commits.failed
-
-    @property
-    def implicit_commit(self) -> bool:
-        return self.commits.implicit
-
-    @implicit_commit.setter
-    def implicit_commit(self, implicit: bool) -> None:
-        self.commits.implicit = implicit
 
     def memory(self) -> dict:
         """Host bytes of every slot (own and held), and how many of them are pinned."""
@@ -163,8 +143,8 @@ class Mirror:
         return self._jobs.quiesce(timeout_s)
 
     def disconnect(self) -> None:
-        """The generation's transport is gone (aborted): none until ``set_topology``."""
-        self.transport = None
+        """The generation's transport is gone (aborted): no exchange until ``set_topology``."""
+        self.exchange = None
 
     def run_on_thread(self, fn: Callable[[], object]):
         """``fn()`` on the mirror thread once it is idle (measurements under the thread's
@@ -188,7 +168,7 @@ class Mirror:
         if self.commits.implicit:  # step ``iteration`` has returned: see commit.py
             done = self.commits.settle(iteration)
             if done is not None:
-                self._drop_superseded()
+                self.exchange.drop_superseded()
                 if self.on_committed is not None:
                     self.on_committed(done)
         slot = self.own.slot(iteration)
@@ -199,69 +179,11 @@ class Mirror:
         self.own.hold(iteration)
         if self.fault_hook is not None:
             self.fault_hook(iteration)
-        self._exchange_and_commit(iteration, clock=clock)
-        if self.on_committed is not None and self.committed == iteration:
+        self.exchange.commit(iteration, clock)
+        if self.on_committed is not None and self.commits.committed == iteration:
             self.on_committed(iteration)  # e.g. a periodic fallback save (persist.py)
 
-    def _alloc_recv(self) -> None:
-        if self._sizes is None:
-            self._sizes = self.transport.gather_from(self.layout.total_bytes, self.holds)
-            self.held.allocate(self.holds, self._sizes)
-
-    def _exchange_and_commit(self, iteration: int, skip=frozenset(),
-                             collective: bool = False, clock: Optional[PhaseClock] = None) -> None:
-        """Send this rank's slot to its buddies, receive its owners' slots, verify, commit
-        (implicitly later unless ``collective``: commit.py). ``skip``: (owner, holder) pairs
-        whose copy of ``iteration`` is already in place. Without replicas the local copy
-        alone commits (no transport call)."""
-        if self.replicas == 0:
-            self.commits.reset(iteration)
-            return
-        self._alloc_recv()
-        owners = [o for o in self.holds if (o, self.rank) not in skip]
-        recvs = [(o, self.held.receiving(o, iteration)) for o in owners]
-        mine = self.own.sealed(iteration)
-        self.transport.exchange([(b, mine) for b in self.buddies if (self.rank, b) not in skip],
-                                recvs)
-        clock = clock or NO_CLOCK  # recovery's exchanges are not snapshot jobs
-        clock.lap("exchange")
-        ok = True
-        for o, buf in recvs:  # the header here; the checksum once needed (held.py)
-            try:
-                if self.discard_from is not None and iteration >= self.discard_from:
-                    buf[:8].zero_()  # as if it never arrived: no magic
-                snapshot.verify(buf, o, iteration, job=self.job, load_meta=False,
-                                checksum=False)
-                self.held.accept(o, iteration)
-            except MirrorCorruptError as exc:
-                ok = False
-                self._rejected(o, iteration, str(exc))
-        clock.lap("verify")
-        if self.commits.implicit and not collective:
-            self.commits.verified(iteration, ok)
-        elif self.commits.collective(iteration, self.transport.all_ok(ok)):
-            self._drop_superseded()
-
-    def _rejected(self, owner: int, iteration: int, why: str) -> None:
-        """A received copy failed its check: counted, reported, and posted for the implicit
-        commit before this job ends (commit.py)."""
-        self.rejected_copies += 1
-        self.commits.rejected(iteration)
-        if self.on_copy_rejected is not None:
-            self.on_copy_rejected(self.rank, owner, iteration, why)
-
-    def drop_arrivals(self, iteration: int) -> None:
-        """The 'drop' test fault (base/faults.py): reject every copy of ``iteration`` and later."""
-        self.discard_from = iteration
-
-    def _drop_superseded(self) -> None:
-        self.held.drop_owners_not_in(self.holds)
-
     # ------------------------------------------------------------------ recovery side
-    def held_slots(self) -> List[Tuple[int, int, torch.Tensor]]:
-        """``(owner, iteration, slot)`` of every slot this rank holds, its own first."""
-        return self.own.copies() + self.held.copies()
-
     def restore_local(self, iteration: int) -> dict:
         """Verify the local copy of ``iteration`` and load it into the live tensors."""
         slot = self.own.slot(iteration)
@@ -272,37 +194,6 @@ class Mirror:
         self.refresh_sources()
         return meta
 
-    def inventory(self) -> dict:
-        """What this rank holds, for the restore decision (recovery/restore.py): only
-        copies whose checksum holds."""
-        return {"own": self.own.iterations(), "committed": self.committed,
-                "copies": self.held.inventory()}
-
-    def transfer_for_restore(self, iteration: int, serve: Sequence[int],
-                             receive_from: Optional[int]) -> None:
-        """Holders send their copy of ``iteration`` of each owner in ``serve`` (to the rank of
-        the same id); a rank without its own copy receives it from ``receive_from`` into its
-        own slot."""
-        sends = [(o, snapshot.sealed(self.held.slot(o, iteration))) for o in serve]
-        recvs = []
-        if receive_from is not None:
-            self.ensure_layout()
-            recvs = [(receive_from, self.own.slot(iteration))]
-        self.transport.exchange(sends, recvs)
-        if receive_from is not None:
-            self.own.hold(iteration)  # verified by restore_local
-
-    def reprotect(self, iteration: int, skip=frozenset()) -> None:
-        """Once ``iteration`` is restored: everything newer is dropped (its copies stay valid:
-        a failure during re-protection can restore it again); send it to the (possibly new)
-        buddies that do not hold it yet, and commit it."""
-        self.own.keep_only(iteration)
-        self.held.drop_newer_than(iteration)
-        self.commits.reset(iteration)
-        self._exchange_and_commit(iteration, skip, collective=True)
-        if self.committed != iteration:
-            raise MirrorError(f"re-protection of iteration {iteration} did not commit")
-
     def close(self) -> None:
         self._jobs.close()
-        self.transport = None
+        self.exchange = None

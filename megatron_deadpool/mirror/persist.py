@@ -248,8 +248,8 @@ def save_held(mirror, root: str, manifest: Manifest) -> List[Tuple[int, int, int
     iteration still in memory. Returns [(rank, iteration, bytes written)]."""
     from . import snapshot
 
-    out = []
-    for owner, it, slot in mirror.held_slots():
+    out = []  # (owner, iteration, slot): its own first (held.py)
+    for owner, it, slot in mirror.own.copies() + mirror.held.copies():
         try:
             snapshot.verify(slot, owner, it, job=mirror.job)
         except Exception:  # noqa: BLE001 - a torn or foreign slot is not worth saving

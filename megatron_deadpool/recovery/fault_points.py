@@ -36,7 +36,7 @@ def worker_fault_points(env, member, rank: Callable[[], int], attachment, links
     def knock(fault, iteration: int) -> None:  # its thread is no lasting effect
         impostor.start(links.current.transport)
 
-    actions = {Kind.DROP: lambda fault, it: attachment.mirror.drop_arrivals(it),  # holder
+    actions = {Kind.DROP: lambda fault, it: attachment.rejections.drop_arrivals(it),  # holder
                Kind.IMPOSTOR: knock,  # a thread knocks on the listeners (mirror/impostor.py)
                Kind.DRAIN: drain,
                Kind.SLOW: slow}

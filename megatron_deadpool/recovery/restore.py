@@ -149,11 +149,11 @@ def execute(mirror, optimizer, model, rank: int, rounds) -> Tuple[int, dict]:
     """Agree on the iteration (``agree``: store rounds, O(K) per rank), move missing shards
     from their holders, restore this rank's shard, rebuild model params and re-protect.
     Returns (restored iteration, its snapshot metadata)."""
-    decision, held = agree(rounds, rank, Inventory.from_json(mirror.inventory()))
+    decision, held = agree(rounds, rank, Inventory.from_json(mirror.exchange.inventory()))
     chosen = decision.iteration
     if rank in decision.sources:
         create_optimizer_state(optimizer)
-    mirror.transfer_for_restore(chosen, decision.serves(rank), decision.sources.get(rank))
+    mirror.exchange.transfer_for_restore(chosen, decision.serves(rank), decision.sources.get(rank))
     # Buddies that already hold the restored iteration (same placement) are not re-sent.
     return chosen, _load_and_reprotect(mirror, optimizer, model, chosen, held)
 
@@ -177,7 +177,7 @@ def resume(mirror, optimizer, model, root: str, layout: tuple) -> Tuple[int, dic
             return f"{type(exc).__name__}: {exc}"
         return None
 
-    chosen = persist.resume_from(candidates, load_own, mirror.transport.all_ok)[0]
+    chosen = persist.resume_from(candidates, load_own, mirror.exchange.all_ok)[0]
     return chosen, _load_and_reprotect(mirror, optimizer, model, chosen, frozenset())
 
 
@@ -198,5 +198,5 @@ def _load_and_reprotect(mirror, optimizer, model, chosen: int, skip) -> dict:
     if meta.get("optimizer_state_empty"):
         shard.reset_optimizer_state(optimizer)  # the initial commit: before step 1
     shard.copy_main_params_to_model(optimizer, model)
-    mirror.reprotect(chosen, skip=skip)  # drops what is newer first
+    mirror.exchange.reprotect(chosen, skip=skip)  # drops what is newer first
     return meta
