@@ -36,6 +36,7 @@ _Made = TypeVar("_Made")
 
 
 def _as_is(build: Callable[[], _Made]) -> _Made:
+    """A communicator built as it is (no runtime around it: tests, benchmarks)."""
     return build()
 
 
