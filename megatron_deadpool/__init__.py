@@ -5,11 +5,12 @@ threads or read the environment. Everything is switched on explicitly. ``Deadpoo
 loaded on first use (it pulls in torch).
 """
 
-from .base.config import DeadpoolConfig, add_deadpool_args
+from .base.config import DeadpoolConfig
 from .base.errors import (ConfigError, DeadpoolError, ForgedRecordError, JobStopped,
                           MirrorCorruptError, MirrorError, NoCommittedStateError, NoSpareError,
                           RebindAuditError, StaleGenerationError, StopReason, TokenError,
                           UnsupportedConfigError)
+from .flags import add_deadpool_args
 
 __version__ = "0.1.0"
 

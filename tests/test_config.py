@@ -2,7 +2,8 @@ import argparse
 
 import pytest
 
-from megatron_deadpool.base.config import DeadpoolConfig, add_deadpool_args
+from megatron_deadpool.base.config import DeadpoolConfig
+from megatron_deadpool.flags import add_deadpool_args
 from megatron_deadpool.base.errors import ConfigError
 
 
@@ -36,12 +37,12 @@ def test_argparse_roundtrip():
 def test_choices_are_enum_members_parsed_once():
     """Each choice is held as its enum's member, from keywords and from argparse alike; a
     member equals its value (a ``str`` enum)."""
-    from megatron_deadpool.base.config import Audit, DrainSource, OnNoSpare, Transport
+    from megatron_deadpool.base.config import Audit, DrainSource, OnNoSpare
 
     c = DeadpoolConfig(audit="full", on_no_spare="wait", mirror_transport="gloo",
                        drain_source="direct")
     assert (c.audit, c.on_no_spare, c.mirror_transport, c.drain_source) == (
-        Audit.FULL, OnNoSpare.WAIT, Transport.GLOO, DrainSource.DIRECT)
+        Audit.FULL, OnNoSpare.WAIT, "gloo", DrainSource.DIRECT)
     assert c.audit is Audit.FULL and c.audit == "full" and f"{c.audit}" == "full"
     assert c.decider().spare_wait_s == c.spare_wait_timeout_s
     p = add_deadpool_args(argparse.ArgumentParser())
@@ -53,6 +54,27 @@ def test_choices_are_enum_members_parsed_once():
     with pytest.raises(ConfigError, match=r"--deadpool-on-no-spare must be one of \('fail', "
                        r"'wait'\), got 'retry'"):
         DeadpoolConfig(on_no_spare="retry")
+
+
+def test_the_transport_flag_is_the_registrys():
+    """``--deadpool-mirror-transport``'s choices and help are the transport registry's
+    entries (mirror/transport.py), in registration order; a name it does not hold is refused
+    naming the flag."""
+    from megatron_deadpool.control.link import MirrorSettings
+
+    p = add_deadpool_args(argparse.ArgumentParser())
+    flag = next(a for a in p._actions if "--deadpool-mirror-transport" in a.option_strings)
+    assert flag.choices == ("socket", "gloo") and flag.default == "socket"
+    assert flag.help == ("how snapshots reach the buddies: 'socket', a TCP connection per "
+                         "(rank, buddy) pair, or 'gloo', the mirror's gloo group, which runs "
+                         "the collectives either way (default %(default)s)")
+    args = p.parse_args(["--deadpool-mirror-transport", "gloo"])
+    assert DeadpoolConfig.from_args(args).mirror_transport == "gloo"
+    assert MirrorSettings(transport="gloo").transport_name == "gloo"
+    assert MirrorSettings(replicas=0).transport_name == "gloo"  # no buddies: the gloo group
+    with pytest.raises(ConfigError, match=r"--deadpool-mirror-transport must be one of "
+                       r"\('socket', 'gloo'\), got 'carrier-pigeon'"):
+        MirrorSettings(transport="carrier-pigeon")
 
 
 @pytest.mark.parametrize("call,why", [

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conftest import launch, layout_flags
-from megatron_deadpool.base.config import DeadpoolConfig, add_deadpool_args
+from megatron_deadpool.base.config import DeadpoolConfig
+from megatron_deadpool.flags import add_deadpool_args
 from megatron_deadpool.base.errors import ConfigError, MirrorCorruptError
 from megatron_deadpool.mirror import persist, snapshot
 from megatron_deadpool.mirror.held import HeldCopies, OwnSlots

@@ -83,15 +83,16 @@ def _worker(rank, kind, port, errq, group_collectives=False):
                                            wait_for_workers=False)
         torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
         # built by name through the registry, as the runtime builds it (control/link.py):
-        # every transport's collectives are the store's signed rounds, the gloo transport's
-        # through its group object (``group_collectives``: the group's own, for tests)
+        # every transport's collectives are the store's signed rounds, which the gloo
+        # transport's factory hands to the group it builds (``group_collectives``: none,
+        # the group's own, for tests)
         gen = torch.distributed.PrefixStore("t/", store)
         rounds = StoreRounds(gen, rank, WORLD, timeout_s=60, secret=SECRET, gen=0)
-        collectives = (GlooTransport(timeout_s=60, secret=SECRET, gen=0,
-                                     rounds=None if group_collectives else rounds)
-                       if kind == "gloo" else rounds)
+        collectives = None if group_collectives else rounds
         t = create_transport(kind, TransportContext(gen, rank, WORLD, collectives,
                                                     "127.0.0.1", SECRET, 0, timeout_s=60))
+        assert isinstance(t, GlooTransport) == (kind == "gloo") and t.kind == kind
+        assert (t.rounds if kind == "gloo" else t.collectives) is collectives
         _conformance(t, rank)
         _peer_death(t, rank, store)
         t.release()  # the generation's end, as Links.release calls it
@@ -105,11 +106,11 @@ CONFORMANCE = ["gloo", "socket"]
 
 def test_every_registered_transport_is_in_the_conformance_test():
     """A transport is one class, one registration and one entry in CONFORMANCE; the flag's
-    choices (config.MIRROR_TRANSPORTS) are registered ones."""
-    from megatron_deadpool.base.config import MIRROR_TRANSPORTS
+    choices are the registered ones, and one of them serves the drain's hand-off."""
+    from megatron_deadpool.mirror.transport import choices, handoff_transport
 
     assert transport_names() == sorted(CONFORMANCE)
-    assert set(MIRROR_TRANSPORTS) <= set(transport_names())
+    assert sorted(choices()) == transport_names() and handoff_transport() in choices()
     with pytest.raises(ConfigError, match="unknown mirror transport 'carrier-pigeon'"):
         create_transport("carrier-pigeon", TransportContext(None, 0, 1, None))
 
@@ -134,6 +135,18 @@ def _pair(store=None):
     store = store or torch.distributed.HashStore()
     return [SocketTransport(store, r, 2, None, "127.0.0.1", SECRET, 3, timeout_s=60)
             for r in (0, 1)]
+
+
+def test_socket_reachable_once_the_peer_listens():
+    """``reachable`` (what a hand-off's sender polls) says, without waiting, whether the
+    peer's listener is published."""
+    store = torch.distributed.HashStore()
+    t0 = SocketTransport(store, 0, 2, None, "127.0.0.1", SECRET, 3, timeout_s=60)
+    assert t0.reachable(0) and not t0.reachable(1)
+    t1 = SocketTransport(store, 1, 2, None, "127.0.0.1", SECRET, 3, timeout_s=60)
+    assert t0.reachable(1) and t1.reachable(0)
+    for t in (t0, t1):
+        t.release()
 
 
 @pytest.mark.parametrize("connected", [False, True])

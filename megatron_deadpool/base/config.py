@@ -6,14 +6,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Tuple, Type, TypeVar
+from typing import Any, Callable, Mapping, Optional, Tuple, Type, TypeVar
 
 from .errors import ConfigError
 from .sections import SECTION_TIMEOUTS_S, Section, checked_timeouts, parse_section_timeouts
 from .vocabulary import ValueEnum
 
 # Each choice of a ``--deadpool-*`` flag is one enum: its values are the flag's choices, and
-# ``DeadpoolConfig`` holds its members (a ``str`` enum: a member equals its value).
+# ``DeadpoolConfig`` holds its members (a ``str`` enum: a member equals its value). The mirror
+# transport is the exception: its choices are the transport registry's names
+# (mirror/transport.py), held as a name.
 
 
 class Audit(ValueEnum):
@@ -31,14 +33,6 @@ class OnNoSpare(ValueEnum):
     WAIT = "wait"  # wait for a spare to join (``deadpool launch --join-as-spare``)
 
 
-class Transport(ValueEnum):
-    """``--deadpool-mirror-transport``: the selectable mirror transports, a deliberate list
-    (each is registered by its value in ``mirror/transport.py``'s registry)."""
-
-    SOCKET = "socket"  # a TCP connection per (rank, buddy) pair
-    GLOO = "gloo"      # the mirror's gloo group
-
-
 class DrainSource(ValueEnum):
     """``--deadpool-drain-source``: where a drained node's ranks take their state from
     (mirror/handoff.py)."""
@@ -47,8 +41,6 @@ class DrainSource(ValueEnum):
     BUDDY = "buddy"    # the buddy's copy
 
 
-# the selectable transports, as a tuple (tests/test_transport.py: each one is registered)
-MIRROR_TRANSPORTS = tuple(Transport)
 _Choice = TypeVar("_Choice", bound=ValueEnum)
 
 
@@ -115,7 +107,9 @@ class DeadpoolConfig:
     fallback_save_dir: Optional[str] = None
     fallback_every: int = 0
     resume_dir: Optional[str] = None
-    mirror_transport: Transport = Transport.SOCKET
+    # a name in the mirror transport registry (mirror/transport.py), the flag's choices;
+    # checked there, where the names are known (control/link.py's MirrorSettings)
+    mirror_transport: str = "socket"
     # a drain's moved ranks take their state from the buddy's copy ("buddy", measured the
     # faster: docs/planned-swaps.md) or from the draining rank ("direct"): mirror/handoff.py
     drain_source: DrainSource = DrainSource.BUDDY
@@ -163,7 +157,6 @@ class DeadpoolConfig:
             raise ConfigError(f"--deadpool-fallback-every must be >= 0, got {self.fallback_every}")
         if self.fallback_every and not self.fallback_save_dir:
             raise ConfigError("--deadpool-fallback-every needs --deadpool-fallback-save DIR")
-        self._parse("mirror_transport", Transport)
         self._parse("drain_source", DrainSource)
         if self.straggler_swap is not None and not (
                 self.straggler_swap[0] > 1 and self.straggler_swap[1] >= 1):
@@ -198,7 +191,7 @@ class DeadpoolConfig:
             fallback_save_dir=getattr(args, "deadpool_fallback_save", None),
             fallback_every=getattr(args, "deadpool_fallback_every", 0),
             resume_dir=getattr(args, "deadpool_resume", None),
-            mirror_transport=getattr(args, "deadpool_mirror_transport", Transport.SOCKET),
+            mirror_transport=getattr(args, "deadpool_mirror_transport", "socket"),
             drain_source=getattr(args, "deadpool_drain_source", DrainSource.BUDDY),
             straggler_swap=parse_straggler_swap(getattr(args, "deadpool_straggler_swap", None)),
             count_work=bool(getattr(args, "deadpool_count_work", False)),
@@ -295,9 +288,12 @@ def _flag(field_name: str) -> str:
     return "--deadpool-" + field_name.removesuffix("_s").replace("_", "-")
 
 
-def add_deadpool_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``--deadpool*`` group. Used by the reference trainer and by the Megatron-LM
-    patch (through ``extra_args_provider``), so both accept exactly the same flags."""
+def add_config_args(parser: argparse.ArgumentParser,
+                    transport_arg: Callable[[Any, str], None]) -> argparse.ArgumentParser:
+    """Add the ``--deadpool*`` group. ``transport_arg(group, default)`` adds
+    ``--deadpool-mirror-transport``, whose choices are the transport registry's, which this
+    layer does not see: callers take ``add_deadpool_args`` (megatron_deadpool/flags.py),
+    which hands it in."""
     d = DeadpoolConfig()
     g = parser.add_argument_group("deadpool", "in-memory peer mirror and hot-swap recovery")
     g.add_argument("--deadpool", action="store_true",
@@ -340,10 +336,7 @@ def add_deadpool_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--deadpool-resume", default=None, metavar="DIR",
                    help="start from the newest iteration saved in DIR for every rank "
                    "(by --deadpool-fallback-save); bitwise the run that saved it")
-    g.add_argument("--deadpool-mirror-transport", choices=values(Transport),
-                   default=d.mirror_transport, help="how snapshots reach the buddies: "
-                   "'socket', a TCP connection per (rank, buddy) pair, or 'gloo', the mirror's "
-                   "gloo group, which runs the collectives either way (default %(default)s)")
+    transport_arg(g, d.mirror_transport)
     g.add_argument("--deadpool-count-work", action="store_true", help="count each recovery "
                    "phase's store operations too (its groups, connections and mirror traffic "
                    "are always counted): the recovery reports carry them (bench recovery)")
@@ -390,7 +383,7 @@ def parse_straggler_swap(text: Optional[str]) -> Optional[Tuple[float, int]]:
 
 
 def _add_timing_args(g, d: DeadpoolConfig) -> None:
-    """The detection and recovery deadlines of ``add_deadpool_args``."""
+    """The detection and recovery deadlines of ``add_config_args``."""
     g.add_argument("--deadpool-heartbeat-interval", type=float, default=d.heartbeat_interval_s,
                    help="seconds between heartbeats (default %(default)s)")
     g.add_argument("--deadpool-heartbeat-timeout", type=float, default=d.heartbeat_timeout_s,

@@ -15,18 +15,19 @@ attachment's (control/attachment.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
-from ..base.config import Transport
 from ..base.plan import Plan
 from ..mirror import handoff, meter as meters
 from ..mirror.commit import RejectionBoard
 from ..mirror.rounds import StoreRounds
 from ..mirror.threads import lower_thread_priority
-from ..mirror.gloo_transport import GlooTransport
-from ..mirror.transport import TransportContext, create_transport
+from ..mirror.transport import TransportContext, checked_name, create_transport
 from ..recovery import restore
 from ..recovery.abort import communicator_sockets
+
+
+NO_BUDDIES = "gloo"  # the registered transport with no buddies (--deadpool-replicas 0)
 
 
 @dataclass(frozen=True)
@@ -36,17 +37,20 @@ class MirrorSettings:
     replicas: int = 1
     create_timeout_s: float = 600.0   # the gloo mirror group's creation (waits for all)
     op_timeout_s: float = 600.0       # each of the mirror's operations (and store rounds)
-    transport: Transport = Transport.SOCKET  # a name in the transport registry
+    transport: str = "socket"         # a name in the transport registry (mirror/transport.py)
     store_host: str = "127.0.0.1"     # a listener is published on the route toward it
     secret: Optional[str] = None      # the socket transport's handshakes, signed addresses
     job_id: int = 0                   # snapshot.job_id(secret): other jobs' copies refused
     fallback_dir: Optional[str] = None
     fallback_every: int = 0
 
+    def __post_init__(self):
+        checked_name(self.transport)  # ConfigError naming the flag and the registry's names
+
     @property
-    def transport_name(self) -> Transport:
+    def transport_name(self) -> str:
         """The registered transport: the chosen one, or with no buddies the gloo group."""
-        return Transport(self.transport) if self.replicas else Transport.GLOO
+        return self.transport if self.replicas else NO_BUDDIES
 
 
 @dataclass(frozen=True)
@@ -87,34 +91,32 @@ class Links:
     def connect(self, plan: Plan) -> Link:
         """This generation's link. The transport comes from the registry by name; its
         collectives are rounds on the generation's store (mirror/rounds.py: O(K) work per
-        rank); only the gloo transport, whose exchange runs on it, builds a world-wide gloo
-        group."""
+        rank); a transport that needs a communicator of its own builds it in its factory
+        (the gloo transport: a world-wide gloo group), through ``_communicator``."""
         from torch.distributed import distributed_c10d as c10d
 
         s, store = self.settings, c10d._get_default_store()  # this generation's (world.py)
         rank, world = c10d.get_rank(), c10d.get_world_size()
         rounds = StoreRounds(store, rank, world, s.op_timeout_s, s.secret, plan.gen)
-        collectives = self._mirror_group(rounds, plan.gen) \
-            if s.transport_name is Transport.GLOO else rounds
         transport = create_transport(s.transport_name, TransportContext(
-            store, rank, world, collectives, s.store_host, s.secret, plan.gen, s.op_timeout_s))
+            store, rank, world, rounds, s.store_host, s.secret, plan.gen, s.op_timeout_s,
+            create_timeout_s=s.create_timeout_s, communicator=self._communicator))
         self.current = Link(tuple(plan.node_of_rank), transport, rounds,
                             RejectionBoard(store, s.secret, plan.gen), store)
         return self.current
 
-    def _mirror_group(self, rounds: StoreRounds, gen: int) -> GlooTransport:
-        """A world-wide gloo group for the gloo transport's exchange (the abort shuts it
-        down); its messages are tagged under keys of the job secret, and its collectives are
-        the signed store rounds (gloo_transport.py)."""
-        s, before = self.settings, meters.thread_names()
+    def _communicator(self, build: Callable[[], Any]) -> Any:
+        """A transport's own communicator, built by its factory (the gloo transport's
+        world-wide group, gloo_transport.py) so that the abort shuts its connections down,
+        and its I/O threads run at a lower priority and are metered."""
+        before = meters.thread_names()
         with communicator_sockets():
-            gloo = GlooTransport(timeout_s=s.op_timeout_s, create_timeout_s=s.create_timeout_s,
-                                 secret=s.secret, gen=gen, rounds=rounds)
+            made = build()
         tids = meters.started_threads(before, meters.GLOO_THREAD_NAMES)  # its I/O threads
         for tid in tids:
             lower_thread_priority(tid)
         self.meter.gloo_threads(tids)
-        return gloo
+        return made
 
     def abort(self) -> None:
         """Wake whatever waits on the current transport (a dead peer)."""

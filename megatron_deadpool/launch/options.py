@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from ..base import faults as fault_schedule
-from ..base.config import DeadpoolConfig, add_deadpool_args, replicas_refusal
+from ..base.config import DeadpoolConfig, replicas_refusal
 from ..base.errors import ConfigError
 from ..base.state import Role
+from ..flags import add_deadpool_args
 from .agent import WorkerSpec
 from .nvrx import flag_value
 

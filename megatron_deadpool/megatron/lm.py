@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
-from ..base.config import DeadpoolConfig, add_deadpool_args
+from ..base.config import DeadpoolConfig
 from ..base.errors import ConfigError, UnsupportedConfigError
 from ..adapters.quiet import CollectiveSuppressor
 from ..adapters import async_saves, cadence, ddp, tags, training_globals
@@ -44,6 +44,7 @@ from ..adapters.evaluation import Evaluations
 from ..adapters.iterators import PretrainIterators
 from ..adapters.lm_rules import mark_sections, unsupported_args
 from ..adapters.train_state import MegatronTrainState
+from ..flags import add_deadpool_args
 
 
 @dataclass

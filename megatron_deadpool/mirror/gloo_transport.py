@@ -1,6 +1,6 @@
 """The gloo mirror transport (``--deadpool-mirror-transport gloo``): the exchange on a
-world-wide gloo group of its own, which the registry's ``gloo`` entry (transport.py) takes as
-the generation's collectives.
+world-wide gloo group of its own, which the registry's ``gloo`` entry (transport.py) builds
+through the runtime's ``communicator`` (control/link.py: the abort shuts it down).
 
 Authenticated as the socket transport's messages are (issue 49): each message is followed,
 on a tag channel of its own, by ``[u64 length][32-byte tag]``, the tag HMAC-SHA256 under the

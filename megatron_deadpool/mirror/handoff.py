@@ -11,8 +11,9 @@ measured as fast or faster here (docs/planned-swaps.md).
     stays until g+1 has restored, then exits       restore: rank r holds D itself, so no
                                                    buddy sends it (recovery/restore.py)
 
-It rides on the socket transport, taken from the registry (transport.py): a two-member
-transport per moved rank (0 the draining process, 1 the spare) under its own store prefix.
+It rides on the transport whose registry entry serves the hand-off (transport.py:
+``handoff_transport``, the socket transport): a two-member transport per moved rank (0 the
+draining process, 1 the spare) under its own store prefix.
 The draining side sends on a thread of its own, so that it keeps watching for a newer plan
 meanwhile (a failure during the drain makes it a member again: the sender is aborted). A handoff that fails on either side (a
 timeout, a copy that does not verify) is logged, and the restore takes the buddy's copy as
@@ -28,8 +29,8 @@ from typing import Optional
 
 from ..base.errors import TransportTimeout
 from . import persist, snapshot
-from .socket_transport import KEY, PeerLost
-from .transport import TransportContext, create_transport
+from .frames import PeerLost
+from .transport import TransportContext, create_transport, handoff_transport
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +50,10 @@ def _store(default_store, gen: int, rank: int):
 
 
 def _transport(store, side: int, store_host: str, secret: str, gen: int, timeout_s: float):
-    """One side (DRAINING or SPARE) of the hand-off's two-member socket transport, from the
-    registry: it only exchanges, so it takes no collectives; its listener is published on
-    the route toward ``store_host``, as the mirror's is."""
-    return create_transport("socket", TransportContext(
+    """One side (DRAINING or SPARE) of the hand-off's two-member transport, from the
+    registry's entry that serves it: it only exchanges, so it takes no collectives; its
+    listener is published on the route toward ``store_host``, as the mirror's is."""
+    return create_transport(handoff_transport(), TransportContext(
         store, side, 2, None, store_host, secret, gen, timeout_s, purpose="handoff"))
 
 
@@ -89,7 +90,7 @@ class Sender:
         which would hold the store client that this process's other threads share, and
         which no abort could end."""
         deadline = time.monotonic() + self._timeout_s
-        while not self._store.check([f"{KEY}{SPARE}"]):
+        while not self._t.reachable(SPARE):
             if self._aborted:
                 raise PeerLost("the drain was replaced by a newer plan")
             if time.monotonic() > deadline:

@@ -116,6 +116,10 @@ class SocketTransport(MirrorTransport):
         self.store.set(f"{KEY}{rank}", auth.seal(secret, {
             "gen": gen, "rank": rank, "addr": f"{host}:{self._listener.getsockname()[1]}"}))
 
+    def reachable(self, peer: int) -> bool:
+        """Whether ``peer``'s listener is published (one store check, no wait)."""
+        return self.store.check([f"{KEY}{peer}"])
+
     # ------------------------------------------------------------------ connections
     def _remaining(self, deadline: float, what: str) -> float:
         left = deadline - time.monotonic()

@@ -16,6 +16,11 @@ large as what the sender sends, which fills their prefix (the rest is left as it
 snapshot slot says in its header how much of it counts). Every call takes an optional
 ``timeout_s``.
 
+Each transport names itself in ``kind`` (a registered one: its registry name), which the
+rank results and the bench report as ``mirror_transport``. One whose registry entry serves a drain's hand-off
+(``handoff=True``, mirror/handoff.py) is built with ``purpose="handoff"``, two members and
+no collectives (only ``exchange``), and answers ``reachable`` without blocking.
+
 This module is the interface only: a backend (socket_transport.py, gloo_transport.py)
 imports it, and the registry (transport.py) imports the backends, each inside its factory.
 """
@@ -49,7 +54,8 @@ class MirrorTransport(abc.ABC):
 
     rank: int
     world_size: int
-    kind: str  # reported by the bench ("mirror_transport")
+    kind: str  # its name in the rank results and the bench's "mirror_transport"
+               # (control/link.py, apps/bench.py): a registered transport's registry name
 
     @abc.abstractmethod
     def exchange(self, sends: Sequence[Tuple[int, torch.Tensor]],
@@ -76,6 +82,11 @@ class MirrorTransport(abc.ABC):
         rounds read only those ranks (rounds.py)."""
         every = self.all_gather_json(value, timeout_s)
         return {r: every[r] for r in ranks}
+
+    def reachable(self, peer: int) -> bool:
+        """Whether an ``exchange`` with ``peer`` could start now, answered without waiting
+        (a hand-off's sender polls it, so that an abort ends its wait): here always."""
+        return True
 
     # Lifecycle. The generation's abort (recovery/abort.py) shuts down the connections of
     # the communicators (the gloo group's among them) and then calls ``abort`` (World.on_abort),

@@ -7,8 +7,9 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional
 
-from ..base.config import DeadpoolConfig, add_deadpool_args
+from ..base.config import DeadpoolConfig
 from ..base.errors import ConfigError
+from ..flags import add_deadpool_args
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
             "micro_batch_size", "global_batch_size", "train_iters")
