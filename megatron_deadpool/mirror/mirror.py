@@ -264,13 +264,22 @@ class Mirror:
 
     def restore_local(self, iteration: int) -> dict:
         """Verify the local copy of ``iteration`` and load it into the live tensors."""
-        slot = self.own.slot(iteration)
+        meta = self.verify_local(iteration)
+        self.load_local(iteration)
+        return meta
+
+    def verify_local(self, iteration: int) -> dict:
+        """Verify the local copy of ``iteration`` against the live tensors' layout; its
+        metadata. Nothing is loaded (``load_local``)."""
         self.refresh_sources()
         layout = self.ensure_layout()
-        meta = snapshot.verify(slot, self.rank, iteration, layout, self.job)
-        snapshot.copy_tensors_out(slot, layout, self._tensors)
+        return snapshot.verify(self.own.slot(iteration), self.rank, iteration, layout, self.job)
+
+    def load_local(self, iteration: int) -> None:
+        """Load the local copy of ``iteration``, verified (``verify_local``), into the live
+        tensors."""
+        snapshot.copy_tensors_out(self.own.slot(iteration), self.layout, self._tensors)
         self.refresh_sources()
-        return meta
 
     def inventory(self) -> dict:
         """What this rank holds, for the restore decision (recovery/restore.py): only
@@ -290,7 +299,7 @@ class Mirror:
             recvs = [(receive_from, self.own.slot(iteration))]
         self.transport.exchange(sends, recvs)
         if receive_from is not None:
-            self.own.hold(iteration)  # verified by restore_local
+            self.own.hold(iteration)  # verified by verify_local
 
     def reprotect(self, iteration: int, skip=frozenset()) -> None:
         """Once ``iteration`` is restored: everything newer is dropped (its copies stay valid:
