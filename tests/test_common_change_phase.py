@@ -205,4 +205,6 @@ def test_a_job_recovers_through_the_new_phase(copy, tmp_path):
     assert sorted(e["rank"] for e in mine) == [0, 1]  # the survivor and the spare
     spare = {e["phase"]: e["duration_s"] for e in ev
              if e["event"] == "phase" and e["rank"] == 1 and e.get("generation") == 1}
-    assert spare[PHASE] < spare["restore_state"], spare
+    # a no-op: microseconds; timed over the spare's model build (the defect this guards
+    # against) about 0.1 s here. The exact check is the in-process one above.
+    assert spare[PHASE] < 0.03 and spare["restore_state"] > 0, spare
