@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The mirror on one GPU: world size 1, --deadpool-replicas 0 (the local double-buffered
 pinned host snapshot only), the package's own code path (``Attachment.attach``, the wrapped
-``optimizer.step`` that waits for the previous snapshot, ``after_step``, ``restore``).
+``optimizer.step`` that waits for the previous snapshot, ``after_step``, ``restoring``).
 
 Measures, in one process:
   * step time with the mirror off and on, in alternating blocks inside the run (the first
@@ -179,7 +179,7 @@ def blocks(args_b, p_run):
 
 def state_tensors(p):
     p.mirror.refresh_sources()
-    p.mirror.ensure_layout()
+    p.mirror.holdings.ensure_layout()
     return list(p.mirror._tensors)
 
 
@@ -214,6 +214,8 @@ def restore_check(args, device, model, optimizer, scheduler, state, p, link):
     """Snapshot at k (committed), step k+1 unsnapshotted, restore k, compare; rerun k+1."""
     import torch
 
+    from megatron_deadpool.recovery import restore
+
     run = lambda modes: train(args, device, model, optimizer, scheduler, state, p, modes)  # noqa: E731
     run(["on"])
     p.mirror.wait()
@@ -223,7 +225,7 @@ def restore_check(args, device, model, optimizer, scheduler, state, p, link):
     run(["off"])
     at_k1 = snapshot_state(p, optimizer, state, scheduler, "cpu")
     t0 = time.perf_counter()
-    restored = p.restore(0, link)
+    restored = restore.run(p.restoring(0, link))
     sync(device)
     out = {"snapshot_iteration": k, "restored_iteration": restored,
            "restore_s": time.perf_counter() - t0}

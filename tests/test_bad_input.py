@@ -286,14 +286,16 @@ class _BuddyTransport:
 
 def _restore_from_buddy(copy, live, owner=3, it=7):
     """A spare that took rank ``owner`` receives the buddy's ``copy`` into its own slot and
-    restores it (Exchange.transfer_for_restore + Mirror.restore_local, as recovery does)."""
+    restores it (Exchange.transfer_for_restore + Mirror.verify_local and load_local, as recovery does)."""
     m = Mirror(owner, replicas=1, meta_capacity=1 << 14, sources=lambda: live)
     try:
         m.job = JOB
-        m.ensure_layout()
+        m.holdings.ensure_layout()
         exchange = Exchange(m.holdings, _BuddyTransport(copy), [], [], 1)
         exchange.transfer_for_restore(it, serve=[], receive_from=5)
-        return m.restore_local(it)
+        meta = m.verify_local(it)
+        m.load_local(it)
+        return meta
     finally:
         m.close()
 

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -38,8 +39,9 @@ class _FakeMirror:
         self.own.allocate(self.layout.total_bytes, False)
         self.held = HeldCopies(job)
 
-    def ensure_layout(self):
-        return self.layout
+    @property
+    def holdings(self):  # what persist.py reads the layout through
+        return SimpleNamespace(ensure_layout=lambda: self.layout)
 
     def seal(self, iteration):
         self.own.rewrite(iteration)

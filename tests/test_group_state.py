@@ -19,6 +19,7 @@ SCRIPT = textwrap.dedent("""
 
     from megatron_deadpool.control.attachment import Attachment
     from megatron_deadpool.control.link import MirrorSettings
+    from megatron_deadpool.recovery import restore
 
     class GroupStepAdam(torch.optim.Optimizer):
         '''Adam as TE FusedAdam keeps it: step per param group, moments per param; empty
@@ -76,13 +77,13 @@ SCRIPT = textwrap.dedent("""
     at4 = digest()
     out = {"steps_at_4": steps()}
 
-    assert p.restore(0, link) == 3
+    assert restore.run(p.restoring(0, link)) == 3
     out["rollback_steps"] = steps()
     out["rollback_bitwise"] = digest() == at3
     solo.step(args, model, opt, sched, state)
     out["rerun_bitwise"] = digest() == at4
 
-    # A promoted spare: fresh optimizer state, created by one dummy step (restore.execute
+    # A promoted spare: fresh optimizer state, created by one dummy step (restore.transfer
     # does this for a rank that receives its copy), which counts as step 1.
     shard.reset_optimizer_state(opt)
     for d in shard.distributed_optimizers(opt):
@@ -90,7 +91,7 @@ SCRIPT = textwrap.dedent("""
             g.pop("step", None)
         d._init_optimizer_states_with_dummy_values()
     out["spare_steps_before"] = steps()
-    assert p.restore(0, link) == 3
+    assert restore.run(p.restoring(0, link)) == 3
     out["spare_steps"] = steps()
     out["spare_bitwise"] = digest() == at3
     m.close()

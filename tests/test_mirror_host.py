@@ -61,7 +61,7 @@ def test_only_the_own_slots_are_pinned(monkeypatch):
     try:
         m.pin = True  # as with CUDA present
         exchange = _connect(m, _Transport(), [1])
-        m.ensure_layout()
+        m.holdings.ensure_layout()
         assert pins == [True, True]
         exchange._alloc_recv()
         assert pins == [True, True, False, False]
@@ -138,7 +138,8 @@ def test_replicas_zero_keeps_the_local_double_buffer_only():
         before = [x.clone() for _, x in named]
         for _, x in named:
             x.mul_(0)
-        meta = m.restore_local(3)
+        meta = m.verify_local(3)
+        m.load_local(3)
         assert meta == {"iteration": 3}
         assert all(torch.equal(x, b) for (_, x), b in zip(named, before))
     finally:

@@ -5,6 +5,7 @@ new generation is re-raised after the heartbeat timeout, a cascade moves to the 
 generation, and a lost buddy is terminal."""
 
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -136,6 +137,33 @@ class FakeWorld:
         pass
 
 
+class FakeRestore:
+    """recovery/restore.py's ``Restore``: the agreement (it may fail, as the store rounds
+    do) chooses the iteration that the load returns."""
+
+    def __init__(self, agree):
+        self.agree = agree
+        self.iteration = None
+
+
+def use_fake_restore(monkeypatch) -> None:
+    """The restore steps' functions on a ``FakeRestore`` (the real ones: test_restore*.py)."""
+    from megatron_deadpool.control import steps
+
+    def agree_on(r):
+        r.iteration = r.agree()
+        return r.iteration
+
+    monkeypatch.setattr(steps, "restore", SimpleNamespace(
+        agree_on=agree_on, transfer=lambda r: None, verify=lambda r: {},
+        load=lambda r: r.iteration))
+
+
+@pytest.fixture(autouse=True)
+def fake_restore_steps(monkeypatch):
+    use_fake_restore(monkeypatch)
+
+
 class FakeAttachment:
     def __init__(self, restore=lambda rank: 5):
         self.restores = 0
@@ -151,9 +179,9 @@ class FakeAttachment:
     def use(self, link):
         pass
 
-    def restore(self, rank, link):
+    def restoring(self, rank, link):
         self.restores += 1
-        return self._restore(rank)
+        return FakeRestore(lambda: self._restore(rank))
 
     def before_step(self, iteration):
         pass
@@ -327,10 +355,10 @@ def test_a_failed_join_closes_the_runtime(monkeypatch):
     assert getattr(member, "closed", False)
 
 
-def test_a_promoted_spares_phases_tile_its_recovery(tmp_path):
-    """A spare has no abort: rendezvous until its world forms, rebuild_groups until its
-    groups (megatron's and the mirror's) exist, restore_state over its model build and the
-    restore, then its first step, each closed by the next (recovery/phases.py)."""
+def spare_walk(events, build_s: float):
+    """A promoted spare's startup, its model build taking ``build_s`` between
+    ``initialize_model_parallel`` and ``attach``: (the calls seen, the attachment, its phase
+    events as (phase, duration), its recovery report)."""
     import json
 
     calls = []
@@ -346,7 +374,6 @@ def test_a_promoted_spares_phases_tile_its_recovery(tmp_path):
 
     member = FakeMember()
     member.publish(plan(1, lid=8, rank=0))
-    events = tmp_path / "events.jsonl"
     cfg = DeadpoolConfig(enabled=True, heartbeat_interval_s=0.1, heartbeat_timeout_s=HB_TIMEOUT,
                          audit="none", events_path=str(events))
     att = SpareAttachment()
@@ -356,16 +383,23 @@ def test_a_promoted_spares_phases_tile_its_recovery(tmp_path):
     rt.join()
     assert rt.state.role is Role.PROMOTED and rt.state.rank == 0
     rt.initialize_model_parallel({})
-    time.sleep(0.05)  # the model build, inside restore_state
+    time.sleep(build_s)  # the model build
     rt.attach(model=None, optimizer=None, scheduler=None, train_state=None)
     rt.before_step(5)
     assert rt.state.role is Role.ACTIVE  # its solitary startup is over
     rt.step_done(6)
-    assert calls == ["connect", "quiet", "attach"] and att.restores == 1
-    report = rt.recoveries[0]
-    assert report["spare"] and report["generation"] == 1
     phases = [json.loads(line) for line in events.read_text().splitlines()]
     phases = [(e["phase"], e["duration_s"]) for e in phases if e["event"] == "phase"]
+    return calls, att, phases, rt.recoveries[0]
+
+
+def test_a_promoted_spares_phases_tile_its_recovery(tmp_path):
+    """A spare has no abort: rendezvous until its world forms, rebuild_groups until its
+    groups (megatron's and the mirror's) exist, restore_state over its model build and the
+    restore, then its first step, each closed by the next (recovery/phases.py)."""
+    calls, att, phases, report = spare_walk(tmp_path / "events.jsonl", build_s=0.05)
+    assert calls == ["connect", "quiet", "attach"] and att.restores == 1
+    assert report["spare"] and report["generation"] == 1
     assert [p for p, _ in phases] == ["rendezvous", "rebuild_groups", "restore_state",
                                       "first_step"]
     assert dict(phases)["restore_state"] >= 0.05

@@ -18,10 +18,15 @@ from typing import Dict, List, Optional, Tuple
 
 from ..base.vocabulary import RECOVERY_PHASES, Event, Phase
 
-# one colour per recovery phase, in the phase list's order: a new phase gets the next one
-PALETTE = ("#d62728", "#ff7f0e", "#bcbd22", "#9467bd", "#17becf", "#2ca02c", "#8c564b",
-           "#e377c2", "#7f7f7f")
-PHASE_COLORS = {ph: PALETTE[i % len(PALETTE)] for i, ph in enumerate(RECOVERY_PHASES)}
+# one colour per recovery phase, by name; a phase without one is drawn in OTHER_PHASE_COLOR
+PHASE_COLORS = {Phase.DETECT: "#d62728", Phase.ABORT: "#ff7f0e", Phase.RENDEZVOUS: "#bcbd22",
+                Phase.REBUILD_GROUPS: "#9467bd", Phase.RESTORE_STATE: "#17becf",
+                Phase.FIRST_STEP: "#2ca02c"}
+OTHER_PHASE_COLOR = "#8c564b"
+
+
+def phase_color(phase: Phase) -> str:
+    return PHASE_COLORS.get(phase, OTHER_PHASE_COLOR)
 
 
 @dataclass
@@ -72,6 +77,12 @@ def timeline(events: List[dict], summary: Optional[dict] = None) -> Timeline:
     return tl
 
 
+def legend_phases(tl: Timeline) -> List[Phase]:
+    """The phases drawn, in the recovery's order."""
+    shown = {ph for segs in tl.phases.values() for _, _, ph in segs}
+    return [ph for ph in RECOVERY_PHASES if ph in shown]
+
+
 def draw(events_path: str, out_png: str, summary_path: Optional[str] = None) -> str:
     import matplotlib
 
@@ -88,16 +99,15 @@ def draw(events_path: str, out_png: str, summary_path: Optional[str] = None) -> 
         for a, b, it in tl.steps.get(r, []):
             top.barh(y, b - a, left=a, color="#c7c7c7" if it % 2 else "#8c8c8c", height=0.6)
         for a, b, ph in tl.phases.get(r, []):
-            top.barh(y, b - a, left=a, color=PHASE_COLORS.get(ph, "k"), height=0.8)
+            top.barh(y, b - a, left=a, color=phase_color(ph), height=0.8)
     for t, r, lid in tl.promoted:
         if r in ranks:
             top.annotate(f"spare {lid}", (t, ranks.index(r)), fontsize=7, va="center")
     for t in tl.failures:
         top.axvline(t, color="red", linestyle="--", linewidth=1)
-    shown = {ph for segs in tl.phases.values() for _, _, ph in segs}
-    top.legend([Patch(color=c) for ph, c in PHASE_COLORS.items() if ph in shown],
-               [ph for ph in PHASE_COLORS if ph in shown], fontsize=7, loc="upper left",
-               ncol=6)
+    shown = legend_phases(tl)
+    top.legend([Patch(color=phase_color(ph)) for ph in shown], [str(ph) for ph in shown],
+               fontsize=7, loc="upper left", ncol=6)
     top.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     top.set_xlabel("seconds (grey: iterations; colours: recovery phases; red: failure)")
     _losses(bottom, summary)

@@ -282,4 +282,6 @@ def simulate(cfg: SimConfig, measured_path, law: str = "auto",
         "validation_method": "leave-one-out (each measured W predicted from a fit on the "
                              "other world sizes); in_sample_* fields: fit on all",
         "measured_file": str(measured_path), "measured_placeholder": measured["placeholder"],
+        **({"measured_phases_missing": measured["phases_missing"]}
+           if measured["phases_missing"] else {}),
     }

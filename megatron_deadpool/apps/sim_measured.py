@@ -16,7 +16,8 @@ from ..base.vocabulary import PHASE_ORDER
 def load_measured(path, units: Optional[str] = None) -> Dict:
     """The ``bench recovery --json`` file; DeadpoolError naming the problem if unusable.
     ``unit_s``: the unit costs timed one by one (``bench units``): ``units``' file, else
-    the ones the measured file carries (``bench recovery --counts``), else None."""
+    the ones the measured file carries (``bench recovery --counts``), else None.
+    ``phases_missing``: recovery phases some run lacks (an older file), counted as 0 s."""
     p = Path(path)
     if not p.exists():
         raise DeadpoolError(f"measured recovery file {p} not found: run `deadpool bench "
@@ -28,8 +29,10 @@ def load_measured(path, units: Optional[str] = None) -> Dict:
         raise DeadpoolError(f"{p}: not a bench recovery result ({exc!r})") from None
     if len({r["world_size"] for r in runs}) < 2:
         raise DeadpoolError(f"{p}: need runs at >= 2 distinct world sizes to fit scaling")
+    missing = sorted({ph for r in data["runs"] for ph in PHASE_ORDER
+                      if ph not in r["phases_s"]}, key=PHASE_ORDER.index)
     return {"runs": runs, "placeholder": bool(data.get("placeholder")),
-            "unit_s": _unit_costs(units, data)}
+            "unit_s": _unit_costs(units, data), "phases_missing": missing}
 
 
 def _unit_costs(units: Optional[str], data: Dict) -> Optional[Dict[str, float]]:
@@ -50,7 +53,8 @@ def _run_point(r: Dict, cores: Optional[int]) -> Dict:
     def med(v):
         return float(v["median"] if isinstance(v, dict) else v)
 
-    phases = {ph: med(r["phases_s"][ph]) for ph in PHASE_ORDER}
+    # a phase the file lacks (measured before it existed) took no time then
+    phases = {ph: med(r["phases_s"].get(ph, 0.0)) for ph in PHASE_ORDER}
     procs = r.get("processes")
     return {"world_size": int(r["world_size"]), "phases_s": phases, "counts": r.get("counts"),
             "total_s": float(r.get("total_s_median", sum(phases.values()))),

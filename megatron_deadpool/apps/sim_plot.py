@@ -51,6 +51,10 @@ def warnings(result: Dict) -> List[str]:
     out = [f"deadpool sim: warning: W={v['world_size']} prediction is off by "
            f"{v['rel_error']:+.1%} (outside 25%)" for v in result["validation"]
            if not v["within_25pct"]]
+    if result.get("measured_phases_missing"):
+        out.append(f"deadpool sim: warning: {result['measured_file']} has no "
+                   f"{', '.join(result['measured_phases_missing'])} phase (measured before it "
+                   "existed): counted as 0 s")
     if result.get("measured_placeholder"):
         out.append(f"deadpool sim: warning: {result['measured_file']} is a placeholder, not "
                    "a measurement (replace it with `deadpool bench recovery --json`)")

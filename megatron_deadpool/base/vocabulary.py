@@ -19,8 +19,9 @@ class Phase(ValueEnum):
     """Where in an iteration, or in a recovery, something happens.
 
     iteration:  forward_backward ─► optimizer ─► mirror   (then save / eval sections)
-    recovery:   detect ─► abort ─► rendezvous ─► rebuild_groups ─► restore_state ─► first_step
-    (``detect`` is the decider's: the failure until the plan; a promoted spare has no abort)
+    recovery:   the members from ``detect`` on, in their order: ``RECOVERY_PHASES``
+    (``detect`` is the decider's: the failure until the plan; ``first_step`` the runtime's;
+    the ones between are the steps' of control/steps.py, in its sequences' order)
     """
 
     FORWARD_BACKWARD = "forward_backward"
@@ -28,6 +29,7 @@ class Phase(ValueEnum):
     MIRROR = "mirror"
     SAVE = "save"  # entering the save section after iteration N
     EVAL = "eval"  # entering the evaluation section after iteration N
+    # the recovery's phases, in order, from here on: a new one goes before FIRST_STEP
     DETECT = "detect"
     ABORT = "abort"
     RENDEZVOUS = "rendezvous"
@@ -36,9 +38,8 @@ class Phase(ValueEnum):
     FIRST_STEP = "first_step"
 
 
-# the phases a recovery is timed in, in order (summary ``phases_s``)
-RECOVERY_PHASES = (Phase.DETECT, Phase.ABORT, Phase.RENDEZVOUS, Phase.REBUILD_GROUPS,
-                   Phase.RESTORE_STATE, Phase.FIRST_STEP)
+# the phases a recovery is timed in, in order (summary ``phases_s``): the enum's last members
+RECOVERY_PHASES = tuple(Phase)[list(Phase).index(Phase.DETECT):]
 PHASE_ORDER = tuple(p.value for p in RECOVERY_PHASES)
 # where a scheduled fault may strike (``--inject ...,phase=P``)
 FAULT_PHASES = (Phase.FORWARD_BACKWARD, Phase.OPTIMIZER, Phase.MIRROR, Phase.RENDEZVOUS,

@@ -7,7 +7,7 @@ Measurement is the meter's (mirror/meter.py); fault actions are bound in
 recovery/fault_points.py.
 
     attach(link) ─► initial commit (first before_step) ─► after_step: capture, snapshot ...
-    on recovery: quiesce ─► use(link') ─► restore(rank, link')
+    on recovery: quiesce ─► use(link') ─► restoring(rank, link'): agree ... load
 """
 
 from __future__ import annotations
@@ -146,15 +146,13 @@ class Attachment:
         """The mirror exchanges over a new generation's link (and its placement)."""
         self.mirror.set_topology(link.transport, link.nodes, link.board)
 
-    def restore(self, rank: int, link: Link) -> int:
-        """Restore the newest iteration held for every rank (``restore.py``), its rounds on
-        the new generation's ``link``; returns it."""
+    def restoring(self, rank: int, link: Link) -> restore.Restore:
+        """A restore of the newest iteration held for every rank, its rounds on the new
+        generation's ``link``: the recovery's steps run it (``restore.py``)."""
         self._initial_commit_pending = False
         self.meter.restored()  # the first step after a restore waits for no snapshot
-        chosen, meta = restore.execute(self.mirror, self.optimizer, self.model, rank,
-                                       link.rounds)
-        self._apply(meta)
-        return chosen
+        return restore.Restore(self.mirror, self.optimizer, self.model, rank, link.rounds,
+                               self._apply)
 
     def resume(self, root: str, world: int) -> int:
         """``--deadpool-resume``: load the newest state every rank of this layout verifies."""

@@ -4,12 +4,12 @@ group holders: ``holders.py``) and the current generation's link (``link.py``). 
 worker's one frozen ``RankState`` (base/state.py), which carries the plan, and replaces it
 at each change.
 
-    recovery = the SURVIVOR sequence (steps.py: abort ─► rendezvous ─► rebuild_groups ─►
-               restore_state, each taking and returning the Attempt) ─► timed first step; a
-               failure inside one starts the next on a newer generation (MAX_ATTEMPTS). A
-               promoted spare walks the SPARE sequence in join / initialize_model_parallel /
-               attach. A drain's plan is applied at an agreed step boundary
-               (recovery/boundary.py), on the same path.
+    recovery = the SURVIVOR sequence (steps.py: its steps, each taking and returning the
+               Attempt) ─► timed first step; a failure inside one starts the next on a newer
+               generation (MAX_ATTEMPTS). A promoted spare walks the SPARE sequence in join /
+               initialize_model_parallel / attach, each call resuming it where it paused
+               (the steps declare where: Step.spare_waits). A drain's plan is applied at an
+               agreed step boundary (recovery/boundary.py), on the same path.
 A failure is a membership fact, not an exception type (``_membership_changed``). """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ class Runtime:
     # ================================================================ membership
     def join(self) -> None:
         self.member.admit(self._status, self._on_generation, self._on_stop)
-        if self.state.role is Role.SPARE:  # its world forms in its rendezvous step
-            self._startup = self.spare.run(self._standby(), through=Phase.RENDEZVOUS)
+        if self.state.role is Role.SPARE:
+            self._startup = self.spare.run(self._standby(), pause=True)  # its world forms
         else:
             form_world(self.member.initial_plan(), self._adopt, self.member, self.world,
                        self.config.rendezvous_timeout_s, with_groups=False)
@@ -94,10 +94,10 @@ class Runtime:
             self.close(destroy=False)
             raise SystemExit(0) from None
         self.state = self.state.promote(plan)
-        rank = self.state.rank
-        self.sink.emit(Event.PROMOTED, lid=self.env.lid, rank=rank, generation=plan.gen)
-        return Attempt(cause=DeadpoolError("promoted"), iteration_at_failure=None,
-                       generation=plan.gen, rank=rank, timer=PhaseTimer(self.sink),
+        self.sink.emit(Event.PROMOTED, lid=self.env.lid, rank=self.state.rank,
+                       generation=plan.gen)
+        return Attempt(cause=DeadpoolError("promoted"), iteration_at_failure=None, plan=plan,
+                       lid=self.env.lid, timer=PhaseTimer(self.sink), joined=True,
                        role=self.state.role, startup=True)
 
     def _status(self) -> dict:
@@ -130,7 +130,7 @@ class Runtime:
             self.first_groups(kwargs)
             return
         self._startup.group_kwargs = kwargs
-        self._startup = self.spare.run(self._startup, through=Phase.REBUILD_GROUPS)
+        self._startup = self.spare.run(self._startup, pause=True)
 
     # ================================================================ attach and loop
     def attach(self, model, optimizer, scheduler, train_state) -> None:
@@ -272,8 +272,8 @@ class Runtime:
                             ) -> None:
         for attempt in range(1, MAX_ATTEMPTS + 1):
             a = Attempt(cause=exc, iteration_at_failure=iteration_at_failure,
-                        generation=self.state.generation + 1, rank=self.state.rank,
-                        timer=PhaseTimer(self.sink), role=self.state.role)
+                        plan=self.state.plan, lid=self.env.lid, timer=PhaseTimer(self.sink),
+                        role=self.state.role)
             try:
                 self.state = self.state.enter(WorkerState.RECOVERING)
                 self._begin_first_step(self.survivor.run(a))

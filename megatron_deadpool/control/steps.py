@@ -1,19 +1,18 @@
 """The recovery's steps, one class each, and the two sequences built from them. Every step
 takes and returns the ``Attempt`` (recovery/phases.py), as NVRx ``Compose`` chains its
-steps; ``Sequence.run`` times each one as the phase it names (``base/vocabulary.py``), the
-one wrapper, so a step never starts or stops a timer itself.
-
-    SURVIVOR:  Abort ─► Rendezvous ─► RebuildGroups ─► RestoreState
-    SPARE:              Rendezvous ─► RebuildGroups ─► RestoreState
+steps; ``Sequence.run`` times each one as the phase it names (``base/vocabulary.py``'s
+``RECOVERY_PHASES``, in this order), the one wrapper, so a step never starts or stops a timer
+itself. ``SURVIVOR`` and ``SPARE`` below are the sequences; the restore is four steps
+(``RESTORE``: agree, transfer, verify, load; recovery/restore.py), all in one phase.
 
 A promoted spare walks its sequence in three calls, because its caller builds between
-them: ``join`` runs Rendezvous (its world forms), ``initialize_model_parallel`` runs
-RebuildGroups with Megatron's own arguments (its first build), ``attach`` runs RestoreState
-once its model exists. Between two calls the next step's phase is already timing: the
-caller's work belongs to it (control/runtime.py).
+them: ``join``, ``initialize_model_parallel`` (Megatron's own arguments) and ``attach`` (its
+model exists). Its walk pauses before each step that waits for its caller
+(``Step.spare_waits``), whose phase is already timing: the caller's work belongs to it.
 
-Adding a phase: its ``Phase`` member (base/vocabulary.py, with ``RECOVERY_PHASES``), one
-class here and one line in a sequence.
+Adding a phase: its ``Phase`` member (base/vocabulary.py, in its place before
+``first_step``), one class here and one line in a sequence. Adding a check before the
+restore loads: one class here and one line in ``RESTORE``.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from ..base.config import Audit, DeadpoolConfig, DrainSource
 from ..base.plan import Plan
 from ..base.state import RankState
 from ..base.vocabulary import Event, Phase
+from ..recovery import restore
 from ..recovery.abort import all_process_groups, drop_traceback
 from ..recovery.classify import is_peer_failure
 from ..recovery.formation import form_world
@@ -57,6 +57,9 @@ class Crew:
 
 class Step:
     phase: Phase
+    # a promoted spare's walk pauses before this step until its caller's next call, its
+    # phase timing the caller's work meanwhile (Sequence.run)
+    spare_waits: bool = False
 
     def __init__(self, crew: Crew):
         self.config, self.member, self.world = crew.config, crew.member, crew.world
@@ -105,10 +108,8 @@ class Rendezvous(Step):
             plan = self.member.wait_for_plan(plan.gen + 1, timeout_s, a.cause)
             self.adopt(plan)  # the victim of a fault point must know its rank in the plan
             self.fault_point(a)
-        plan = form_world(plan, self.adopt, self.member, self.world, timeout_s,
-                          with_groups=False)
-        if a.startup:  # its phases from here on are the formed generation's
-            a.generation = plan.gen
+        a.join(form_world(plan, self.adopt, self.member, self.world, timeout_s,
+                          with_groups=False))  # its phases from here on are this plan's
         return a
 
 
@@ -117,6 +118,7 @@ class RebuildGroups(Step):
     collective timeouts, and the generation's link; a survivor rebinds every holder."""
 
     phase = Phase.REBUILD_GROUPS
+    spare_waits = True  # for Megatron's arguments (initialize_model_parallel)
 
     def __call__(self, a: Attempt) -> Attempt:
         if a.startup:
@@ -152,12 +154,14 @@ class RebuildGroups(Step):
         self.links.connect(self.state().plan)  # the mirror's group, with the others
 
 
-class RestoreState(Step):
+class Agree(Step):
     """Once every member is ready (a spare has built its model): the newest iteration held
-    for every rank, restored; a drain's spare may take its state straight from the draining
-    rank (``--deadpool-drain-source direct``)."""
+    for every rank, and who sends which copy, agreed (recovery/restore.py). A drain's spare
+    may first take its state straight from the draining rank (``--deadpool-drain-source
+    direct``)."""
 
     phase = Phase.RESTORE_STATE
+    spare_waits = True  # for its model (attach)
 
     def __call__(self, a: Attempt) -> Attempt:
         state = self.state()
@@ -170,7 +174,41 @@ class RestoreState(Step):
             got = self.links.hand_off(self.att, state.generation, state.rank,
                                       self.config.gloo_op_timeout_s / 3) if direct else None
             a.state_from = "buddy" if got is None else "direct"
-        a.restored = self.att.restore(state.rank, self.links.current)
+        a.restore = self.att.restoring(state.rank, self.links.current)
+        restore.agree_on(a.restore)
+        return a
+
+
+class Transfer(Step):
+    """The copies this rank holds for ranks without their own sent; its own received from
+    its holder if it has none."""
+
+    phase = Phase.RESTORE_STATE
+
+    def __call__(self, a: Attempt) -> Attempt:
+        restore.transfer(a.restore)
+        return a
+
+
+class Verify(Step):
+    """This rank's copy of the agreed iteration checked before anything is loaded (its
+    header, layout and checksum)."""
+
+    phase = Phase.RESTORE_STATE
+
+    def __call__(self, a: Attempt) -> Attempt:
+        restore.verify(a.restore)
+        return a
+
+
+class Load(Step):
+    """The copy loaded into the optimizer's state and the model, its metadata applied, and
+    the iteration protected again at the (possibly new) buddies."""
+
+    phase = Phase.RESTORE_STATE
+
+    def __call__(self, a: Attempt) -> Attempt:
+        a.restored = restore.load(a.restore)
         return a
 
 
@@ -189,8 +227,9 @@ def still_old(old_groups, kept: set):
     return out
 
 
-SURVIVOR: Seq[Type[Step]] = (Abort, Rendezvous, RebuildGroups, RestoreState)
-SPARE: Seq[Type[Step]] = (Rendezvous, RebuildGroups, RestoreState)
+RESTORE: Seq[Type[Step]] = (Agree, Transfer, Verify, Load)
+SURVIVOR: Seq[Type[Step]] = (Abort, Rendezvous, RebuildGroups, *RESTORE)
+SPARE: Seq[Type[Step]] = (Rendezvous, RebuildGroups, *RESTORE)
 
 
 class Sequence:
@@ -200,15 +239,15 @@ class Sequence:
     def __init__(self, crew: Crew, steps: Seq[Type[Step]]):
         self.steps = tuple(step(crew) for step in steps)
 
-    def run(self, a: Attempt, through: Optional[Phase] = None) -> Attempt:
-        """The steps ``a`` has not done yet, up to ``through`` (default: all). Stopped
-        early, the next step's phase times the caller's work until it resumes."""
-        for step in self.steps[a.done:]:
+    def run(self, a: Attempt, pause: bool = False) -> Attempt:
+        """The steps ``a`` has not done yet. ``pause`` (a promoted spare's walk): stop before
+        the next step that waits for the caller (``Step.spare_waits``; not the first one run,
+        which the call resumes), its phase timing the caller's work until then."""
+        for i, step in enumerate(self.steps[a.done:]):
             a.phase(step.phase)
+            if pause and step.spare_waits and i > 0:
+                return a
             a = step(a)
             a.done += 1
-            if step.phase is through and a.done < len(self.steps):
-                a.phase(self.steps[a.done].phase)
-                return a
         a.phase(None)
         return a

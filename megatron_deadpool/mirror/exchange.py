@@ -170,7 +170,7 @@ class Exchange:
             recvs = [(receive_from, h.own.slot(iteration))]
         self.transport.exchange(sends, recvs)
         if receive_from is not None:
-            h.own.hold(iteration)  # verified by Mirror.restore_local
+            h.own.hold(iteration)  # verified by Mirror.verify_local
 
     def all_ok(self, ok: bool) -> bool:
         """The world's AND of ``ok`` (the transport's collective)."""

@@ -112,7 +112,7 @@ def receive(mirror, default_store, store_host: str, secret: str, gen: int, rank:
             timeout_s: float) -> Optional[int]:
     """The spare's side: the draining rank's slot, adopted as this rank's own. Returns its
     iteration, or None (logged): the restore then takes the buddy's copy."""
-    layout = mirror.ensure_layout()
+    layout = mirror.holdings.ensure_layout()
     buf = snapshot.alloc_slot(layout.total_bytes, mirror.pin)
     t = _transport(_store(default_store, gen, rank), SPARE, store_host, secret, gen, timeout_s)
     try:

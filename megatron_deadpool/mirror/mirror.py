@@ -69,7 +69,7 @@ class Mirror:
         self._jobs = JobThread(self._run_job, "deadpool-mirror", self._on_thread_start)
         # what each generation's exchange fills and reads (exchange.py)
         self.holdings = Holdings(rank, self.own, self.held, self.commits, self.rejections,
-                                 self.ensure_layout)
+                                 self._ensure_layout)
 
     # ------------------------------------------------------------------ wiring
     def set_hooks(self, fault=None, committed=None) -> None:
@@ -85,7 +85,7 @@ class Mirror:
         self.commits.board = board
         self.exchange = Exchange.placed(self.holdings, transport, rank_to_node, self.replicas)
 
-    def ensure_layout(self) -> snapshot.Layout:
+    def _ensure_layout(self) -> snapshot.Layout:
         # The metadata capacity is fixed (not measured) so that a promoted spare computes
         # the same slot size as the rank it replaces.
         if self.layout is None or self._stale:
@@ -118,7 +118,7 @@ class Mirror:
     # ------------------------------------------------------------------ steady state
     def begin(self, iteration: int, meta: dict) -> None:
         """Start snapshot ``iteration`` (called right after its optimizer step)."""
-        self.ensure_layout()
+        self._ensure_layout()
         if self._runs is None:
             self._runs = d2h.plan(self.layout, self._tensors)
         self.own.rewrite(iteration)  # its slot holds nothing until the job seals it
@@ -184,15 +184,18 @@ class Mirror:
             self.on_committed(iteration)  # e.g. a periodic fallback save (persist.py)
 
     # ------------------------------------------------------------------ recovery side
-    def restore_local(self, iteration: int) -> dict:
-        """Verify the local copy of ``iteration`` and load it into the live tensors."""
-        slot = self.own.slot(iteration)
+    def verify_local(self, iteration: int) -> dict:
+        """Verify the local copy of ``iteration`` against the live tensors' layout; its
+        metadata. Nothing is loaded (``load_local``)."""
         self.refresh_sources()
-        layout = self.ensure_layout()
-        meta = snapshot.verify(slot, self.rank, iteration, layout, self.job)
-        snapshot.copy_tensors_out(slot, layout, self._tensors)
+        layout = self._ensure_layout()
+        return snapshot.verify(self.own.slot(iteration), self.rank, iteration, layout, self.job)
+
+    def load_local(self, iteration: int) -> None:
+        """Load the local copy of ``iteration``, verified (``verify_local``), into the live
+        tensors."""
+        snapshot.copy_tensors_out(self.own.slot(iteration), self.layout, self._tensors)
         self.refresh_sources()
-        return meta
 
     def close(self) -> None:
         self._jobs.close()

@@ -274,7 +274,7 @@ def adopt(mirror, data: torch.Tensor, iteration: int, job: int) -> None:
     (MirrorCorruptError, ConfigError) and changes nothing when the file does not verify."""
     from . import snapshot
 
-    layout = mirror.ensure_layout()
+    layout = mirror.holdings.ensure_layout()
     if data.numel() != layout.total_bytes:
         raise ConfigError(f"saved state of rank {mirror.rank} iteration {iteration} has "
                           f"{data.numel()} bytes; this model's snapshot has "

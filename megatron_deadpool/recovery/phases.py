@@ -1,14 +1,12 @@
 """A timer that yields a recovery's per-phase breakdown (``base/vocabulary.py``'s
-``Phase``), the JSON-lines event sink (``--deadpool-events``, its ``Event`` names) and what
-one recovery attempt carries from step to step.
+``RECOVERY_PHASES``), the JSON-lines event sink (``--deadpool-events``, its ``Event`` names)
+and what one recovery attempt carries from step to step.
 
 Each rank's phases tile its recovery, from its abort to the end of its first step; ``detect``
-is the decider's (the failure until the plan). A promoted spare has no abort:
-
-    survivor:  abort ─► rendezvous ─► rebuild_groups ─► restore_state ─► first_step
-    spare:   promoted ─► rendezvous ─► rebuild_groups ─► restore_state ─► first_step
-               (its world forms)  (megatron's groups   (its model and optimizer are
-                                   and the mirror's)    built, then the lost shard loaded)
+is the decider's (the failure until the plan). The phases between are the steps' of
+control/steps.py, each timed as its ``phase``: a survivor's ``SURVIVOR`` sequence, a promoted
+spare's ``SPARE`` (no abort: it starts at its promotion, and its model build is timed in the
+phase of the step that waits for it, ``Step.spare_waits``).
 """
 
 from __future__ import annotations
@@ -21,8 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 from ..base import counts
+from ..base.plan import Plan
 from ..base.state import Role
 from ..base.vocabulary import Event, Phase
+from .restore import Restore
 
 
 class EventSink:
@@ -81,20 +81,38 @@ class PhaseTimer:
 
 @dataclass
 class Attempt:
-    """What one recovery attempt carries from step to step (control/steps.py)."""
+    """What one recovery attempt carries from step to step (control/steps.py). Its phases
+    are labelled with the generation and rank of the plan it runs (``plan``, this process
+    ``lid``): a promoted spare's from the start; a survivor's is the one it recovers from
+    until its rendezvous has the next (``joined``), and meanwhile the generation after it
+    (the least one its rendezvous waits for)."""
 
     cause: BaseException
     iteration_at_failure: Optional[int]   # None: a promoted spare's (its startup, or after)
-    generation: int                       # the generation it recovers into, as first known
-    rank: int
+    plan: Plan
+    lid: int
     timer: PhaseTimer
+    joined: bool = False                  # ``plan`` is the one it recovers into
     role: Role = Role.ACTIVE              # the rank's role: PROMOTED, a spare's own restore
     startup: bool = False                 # a promoted spare's own walk: promoted with its
     group_kwargs: Optional[dict] = None   # plan; its first build takes Megatron's arguments
     old_groups: list = field(default_factory=list)
+    restore: Optional[Restore] = None     # the restore in progress (its four steps)
     restored: int = -1
     state_from: Optional[str] = None      # a spare's: "direct" (the draining rank) or "buddy"
     done: int = 0                         # steps of its sequence done (a spare's walk pauses)
+
+    @property
+    def generation(self) -> int:
+        return self.plan.gen if self.joined else self.plan.gen + 1
+
+    @property
+    def rank(self) -> Optional[int]:
+        return self.plan.rank(self.lid)
+
+    def join(self, plan: Plan) -> None:
+        """Its rendezvous formed ``plan``'s world: its phases from here on are that plan's."""
+        self.plan, self.joined = plan, True
 
     @property
     def spare(self) -> bool:

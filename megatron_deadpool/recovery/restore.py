@@ -1,7 +1,8 @@
 """Which iteration to restore, and where each rank's state comes from (``choose_restore``,
 pure: a function of what every process of the new world holds), agreed without gathering
 every inventory (``agree``: each rank learns only what concerns it, in store rounds of O(K)
-operations), then doing it (``execute``).
+operations), then doing it (``Restore``: agree on it, transfer, verify, load; one recovery
+step each).
 
     inventory of rank r:  own     iterations of r's own snapshot slots (a spare: none)
                           copies  {owner rank: iterations} of buddy copies r holds,
@@ -23,7 +24,7 @@ iteration commits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..base.errors import ConfigError, NoCommittedStateError
 
@@ -145,17 +146,67 @@ def agree(rounds, rank: int, inv: Inventory) -> Tuple[RestoreDecision, frozenset
     return RestoreDecision(iteration=chosen, sources=sources), frozenset(held)
 
 
-def execute(mirror, optimizer, model, rank: int, rounds) -> Tuple[int, dict]:
-    """Agree on the iteration (``agree``: store rounds, O(K) per rank), move missing shards
-    from their holders, restore this rank's shard, rebuild model params and re-protect.
-    Returns (restored iteration, its snapshot metadata)."""
-    decision, held = agree(rounds, rank, Inventory.from_json(mirror.exchange.inventory()))
-    chosen = decision.iteration
-    if rank in decision.sources:
-        create_optimizer_state(optimizer)
-    mirror.exchange.transfer_for_restore(chosen, decision.serves(rank), decision.sources.get(rank))
+@dataclass
+class Restore:
+    """One rank's restore, carried through the four steps a recovery runs one by one
+    (control/steps.py ``RESTORE``), each a function here using what the one before found:
+
+        agree_on  the iteration, and who sends which copy (``agree``: store rounds, O(K))
+        transfer  the copies this rank serves sent; its own received if it lacks it
+        verify    its own copy checked: header, layout, checksum (mirror/snapshot.py)
+        load      loaded into the live tensors and the model, applied (``apply``, the
+                  attachment's), and re-protected
+
+    ``run`` does the four in a row, outside a recovery (tests, scripts/gpu_mirror_bench.py)."""
+
+    mirror: object                        # mirror.mirror.Mirror
+    optimizer: object
+    model: object
+    rank: int
+    rounds: object                        # the generation's store rounds (mirror/rounds.py)
+    apply: Callable[[dict], None]         # the restored metadata, to the train state
+    decision: Optional[RestoreDecision] = None
+    held: frozenset = frozenset()         # (owner, holder) pairs that are not sent again
+    meta: Optional[dict] = None
+
+    @property
+    def iteration(self) -> int:
+        return self.decision.iteration
+
+
+def agree_on(r: Restore) -> int:
+    r.decision, r.held = agree(r.rounds, r.rank, Inventory.from_json(r.mirror.exchange.inventory()))
+    return r.iteration
+
+
+def transfer(r: Restore) -> None:
+    d = r.decision
+    if r.rank in d.sources:
+        create_optimizer_state(r.optimizer)
+    r.mirror.exchange.transfer_for_restore(d.iteration, d.serves(r.rank), d.sources.get(r.rank))
+
+
+def verify(r: Restore) -> dict:
+    """Nothing reaches the live tensors here: a copy refused is never loaded."""
+    r.meta = r.mirror.verify_local(r.iteration)
+    return r.meta
+
+
+def load(r: Restore) -> int:
+    """Returns the restored iteration."""
+    r.mirror.load_local(r.iteration)
     # Buddies that already hold the restored iteration (same placement) are not re-sent.
-    return chosen, _load_and_reprotect(mirror, optimizer, model, chosen, held)
+    _settle(r.mirror, r.optimizer, r.model, r.iteration, r.meta, r.held)
+    r.apply(r.meta)
+    return r.iteration
+
+
+def run(r: Restore) -> int:
+    """The four steps in a row; returns the restored iteration."""
+    agree_on(r)
+    transfer(r)
+    verify(r)
+    return load(r)
 
 
 def resume(mirror, optimizer, model, root: str, layout: tuple) -> Tuple[int, dict]:
@@ -192,11 +243,18 @@ def create_optimizer_state(optimizer) -> None:
 
 
 def _load_and_reprotect(mirror, optimizer, model, chosen: int, skip) -> dict:
+    meta = mirror.verify_local(chosen)
+    mirror.load_local(chosen)
+    _settle(mirror, optimizer, model, chosen, meta, skip)
+    return meta
+
+
+def _settle(mirror, optimizer, model, chosen: int, meta: dict, skip) -> None:
+    """After the copy-out: the optimizer's state reset if the copy has none, the model's
+    params from the restored main params, and ``chosen`` re-protected."""
     from ..adapters import shard
 
-    meta = mirror.restore_local(chosen)
     if meta.get("optimizer_state_empty"):
         shard.reset_optimizer_state(optimizer)  # the initial commit: before step 1
     shard.copy_main_params_to_model(optimizer, model)
     mirror.exchange.reprotect(chosen, skip=skip)  # drops what is newer first
-    return meta
