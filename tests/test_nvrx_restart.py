@@ -60,7 +60,8 @@ def _save(root: Path, iteration: int, world: int = 2) -> None:
         snapshot.copy_tensors_in(slot, layout, [t])
         snapshot.seal(slot, layout, rank, iteration, {"iteration": iteration}, 7)
         own.hold(iteration)
-        m = SimpleNamespace(rank=rank, job=7, layout=layout, holdings=SimpleNamespace(ensure_layout=lambda l=layout: l),
+        m = SimpleNamespace(rank=rank, job=7, layout=layout,
+                            holdings=SimpleNamespace(ensure_layout=lambda l=layout: l),
                             own=own, held=HeldCopies(7))
         persist.save_held(m, str(root), man)
 
