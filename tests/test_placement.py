@@ -1,7 +1,6 @@
 """Buddy placement (megatron_deadpool.mirror.placement): pure, no processes."""
 
 import random
-import time
 
 import pytest
 
@@ -155,13 +154,23 @@ def test_random_layouts_always_valid():
         check_valid(r2n, placement.buddies(r2n, k), k)
 
 
+class Lookups(list):
+    """A layout that counts how often the placement reads it: its work, without a clock."""
+
+    reads = 0
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return super().__getitem__(i)
+
+
 def test_degenerate_layout_is_fast():
-    # one huge node next to tiny ones: the shift rarely leaves the big node
-    r2n = [0] * 16000 + list(range(1, 385))
-    t0 = time.perf_counter()
+    # one huge node next to tiny ones: the shift rarely leaves the big node; the work per
+    # rank stays bounded (the shifts tried are capped; then the node ring)
+    r2n = Lookups([0] * 16000 + list(range(1, 385)))
     b = placement.buddies(r2n, 2)
-    assert time.perf_counter() - t0 < 5
-    check_valid(r2n, b, 2)
+    assert r2n.reads <= (placement._MAX_SHIFTS + 1) * len(r2n)
+    check_valid(list(r2n), b, 2)
 
 
 @pytest.mark.parametrize("per_node", [4, 8])
@@ -169,11 +178,11 @@ def test_degenerate_layout_is_fast():
 def test_16k_ranks(per_node, k):
     world = 16384
     r2n = nodes_of(world, per_node)
-    t0 = time.perf_counter()
-    b = placement.buddies(r2n, k)
+    counted = Lookups(r2n)
+    b = placement.buddies(counted, k)  # its work, not its wall-clock time (that flaked)
+    assert counted.reads <= (placement._MAX_SHIFTS + 1) * world
     holders = placement.holders_of(b)
     recv = received_bytes_per_node(r2n, b, [12] * world)
-    assert time.perf_counter() - t0 < 3
     check_valid(r2n, b, k)
     assert all(len(h) == k for h in holders)
     assert recv == {n: 12 * k * per_node for n in range(world // per_node)}
