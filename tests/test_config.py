@@ -135,3 +135,18 @@ def test_precision_aware_optimizer_is_refused_at_attach():
     check_supported(model, dist_opt(False))
     with pytest.raises(UnsupportedConfigError, match="precision-aware optimizer"):
         check_supported(model, chained)
+
+
+def test_the_flags_defaults_are_plain_values():
+    """Megatron-LM saves its parsed args into every checkpoint and core_v0.16.1 loads them
+    with torch.load(weights_only=True), which refuses any class of ours: a default must be
+    a plain str/int/float/bool/None, as a value given on the command line is."""
+    import argparse
+
+    from megatron_deadpool import add_deadpool_args
+
+    p = argparse.ArgumentParser()
+    add_deadpool_args(p)
+    odd = {k: type(v) for k, v in vars(p.parse_args([])).items()
+           if v is not None and type(v) not in (str, int, float, bool)}
+    assert odd == {}

@@ -306,12 +306,12 @@ def add_config_args(parser: argparse.ArgumentParser,
     _add_timing_args(g, d)
     g.add_argument("--deadpool-events", default=None, metavar="FILE",
                    help="append one JSON line per recovery phase to FILE")
-    g.add_argument("--deadpool-audit", choices=values(Audit), default=d.audit,
+    g.add_argument("--deadpool-audit", choices=values(Audit), default=d.audit.value,
                    help="after a rebuild, prove no old process group is reachable: 'walk' re-walks "
                         "the attached objects (fast), 'full' also scans the whole heap "
                         "(default %(default)s)")
     _add_restart_args(g, d)
-    g.add_argument("--deadpool-on-no-spare", choices=values(OnNoSpare), default=d.on_no_spare,
+    g.add_argument("--deadpool-on-no-spare", choices=values(OnNoSpare), default=d.on_no_spare.value,
                    help="a failure with no spare left: 'fail' stops the job naming the last "
                    "committed iteration; 'wait' waits for a spare to join (`deadpool launch "
                    "--join-as-spare`) (default %(default)s)")
@@ -361,7 +361,7 @@ def _add_restart_args(g, d: DeadpoolConfig) -> None:
 def _add_drain_args(g, d: DeadpoolConfig) -> None:
     """Planned swaps (membership/drain.py)."""
     g.add_argument("--deadpool-drain-source", choices=values(DrainSource),
-                   default=d.drain_source, help="where a drained node's ranks' state comes "
+                   default=d.drain_source.value, help="where a drained node's ranks' state comes "
                    "from: 'buddy', the buddy's copy, or 'direct', straight from the draining "
                    "process (the buddy's copy if that fails) (default %(default)s)")
     g.add_argument("--deadpool-straggler-swap", default=None, metavar="FACTOR:WINDOW",
