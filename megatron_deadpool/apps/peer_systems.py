@@ -143,13 +143,12 @@ def base_env(job: PeerJob) -> Dict[str, str]:
     return env
 
 
-def _start(cmds, env, writer: RunLogWriter, roots: List[int], delay_s: float = 1.0):
+def _start(cmds, env, writer: RunLogWriter, delay_s: float = 1.0):
     procs = []
     for i, (cmd, extra) in enumerate(cmds):
         p = subprocess.Popen(cmd, env=dict(env, **extra), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, errors="replace",
                              start_new_session=True)
-        roots.append(p.pid)
         writer.follow(p.stdout)
         procs.append(p)
         if i == 0 and len(cmds) > 1:
@@ -229,18 +228,37 @@ def _run_slurm(job: PeerJob, argv: List[str], work: str, env: Dict[str, str],
     return outcome
 
 
+def _run_launchers(system: str, job: PeerJob, argv: List[str], env: Dict[str, str],
+                   writer: RunLogWriter, deadline: float) -> Tuple[str, int]:
+    """The launchers of every system but ``deadpool-slurm``; the relaunch starts the whole
+    job again after a failure. (outcome, attempts)"""
+    outcome, attempt = "failed", 0
+    while attempt <= job.max_relaunches:
+        attempt += 1
+        writer.mark("start", attempt=attempt)
+        procs = _start(node_commands(system, job, argv, free_port()), env, writer)
+        outcome = _wait(procs, system == "relaunch", deadline)
+        kill_all(tagged({"PEERS_RUN": env["PEERS_RUN"]}))  # leftovers, orphans included
+        for p in procs:
+            p.wait()
+        if outcome != "failed" or system != "relaunch":
+            break
+    return outcome, attempt
+
+
 def run_system(system: str, job: PeerJob, work: str, injector: Optional[Injector],
                echo=None, probe: Optional[CpuProbe] = None) -> dict:
-    """One run; its log is ``work/run.log``, its checkpoints ``work/ck``."""
+    """One run; its log is ``work/run.log``, its checkpoints ``work/ck``. Every process of
+    the run carries its tag in its environment, which is how the injector, the CPU probe
+    and the clean-up find them (under Slurm too, where they descend from slurmstepd)."""
     os.makedirs(work, exist_ok=True)
     ck, local = os.path.join(work, "ck"), os.path.join(work, "local")
     argv = [*job.flags, *system_flags(system, job, ck, local)]
     run_tag = {"PEERS_RUN": uuid.uuid4().hex}
-    env, roots = dict(base_env(job), **run_tag), []
+    env = dict(base_env(job), **run_tag)
     for watcher in (injector, probe):
-        if watcher is not None:  # under Slurm the job's processes descend from slurmstepd
-            watcher.roots = ((lambda: tagged(run_tag)) if system == "deadpool-slurm"
-                             else (lambda: list(roots)))
+        if watcher is not None:
+            watcher.roots = lambda: tagged(run_tag)
     writer = RunLogWriter(os.path.join(work, "run.log"), injector=injector, echo=echo,
                           probe=probe)
     deadline = time.monotonic() + job.timeout_s
@@ -248,17 +266,8 @@ def run_system(system: str, job: PeerJob, work: str, injector: Optional[Injector
     try:
         if system == "deadpool-slurm":
             outcome, attempt = _run_slurm(job, argv, work, env, writer, deadline), 1
-        while system != "deadpool-slurm" and attempt <= job.max_relaunches:
-            attempt += 1
-            writer.mark("start", attempt=attempt)
-            cmds = node_commands(system, job, argv, free_port())
-            procs = _start(cmds, env, writer, roots)
-            outcome = _wait(procs, system == "relaunch", deadline)
-            kill_all(tagged(run_tag))  # leftovers, orphans included: a whole-job stop
-            for p in procs:
-                p.wait()
-            if outcome != "failed" or system != "relaunch":
-                break
+        else:
+            outcome, attempt = _run_launchers(system, job, argv, env, writer, deadline)
     finally:  # the benchmark interrupted (Ctrl-C, SIGTERM): no run outlives it
         kill_all(tagged(run_tag))
     writer.mark("exit", outcome=outcome, attempts=attempt)

@@ -175,7 +175,8 @@ class Restore:
 
 
 def agree_on(r: Restore) -> int:
-    r.decision, r.held = agree(r.rounds, r.rank, Inventory.from_json(r.mirror.exchange.inventory()))
+    inv = Inventory.from_json(r.mirror.exchange.inventory())
+    r.decision, r.held = agree(r.rounds, r.rank, inv)
     return r.iteration
 
 
@@ -183,7 +184,8 @@ def transfer(r: Restore) -> None:
     d = r.decision
     if r.rank in d.sources:
         create_optimizer_state(r.optimizer)
-    r.mirror.exchange.transfer_for_restore(d.iteration, d.serves(r.rank), d.sources.get(r.rank))
+    r.mirror.exchange.transfer_for_restore(d.iteration, d.serves(r.rank),
+                                           d.sources.get(r.rank))
 
 
 def verify(r: Restore) -> dict:
@@ -194,9 +196,8 @@ def verify(r: Restore) -> dict:
 
 def load(r: Restore) -> int:
     """Returns the restored iteration."""
-    r.mirror.load_local(r.iteration)
     # Buddies that already hold the restored iteration (same placement) are not re-sent.
-    _settle(r.mirror, r.optimizer, r.model, r.iteration, r.meta, r.held)
+    _load(r.mirror, r.optimizer, r.model, r.iteration, r.meta, r.held)
     r.apply(r.meta)
     return r.iteration
 
@@ -229,7 +230,9 @@ def resume(mirror, optimizer, model, root: str, layout: tuple) -> Tuple[int, dic
         return None
 
     chosen = persist.resume_from(candidates, load_own, mirror.exchange.all_ok)[0]
-    return chosen, _load_and_reprotect(mirror, optimizer, model, chosen, frozenset())
+    meta = mirror.verify_local(chosen)
+    _load(mirror, optimizer, model, chosen, meta, frozenset())
+    return chosen, meta
 
 
 def create_optimizer_state(optimizer) -> None:
@@ -242,18 +245,13 @@ def create_optimizer_state(optimizer) -> None:
             opt._init_optimizer_states_with_dummy_values()
 
 
-def _load_and_reprotect(mirror, optimizer, model, chosen: int, skip) -> dict:
-    meta = mirror.verify_local(chosen)
-    mirror.load_local(chosen)
-    _settle(mirror, optimizer, model, chosen, meta, skip)
-    return meta
-
-
-def _settle(mirror, optimizer, model, chosen: int, meta: dict, skip) -> None:
-    """After the copy-out: the optimizer's state reset if the copy has none, the model's
-    params from the restored main params, and ``chosen`` re-protected."""
+def _load(mirror, optimizer, model, chosen: int, meta: dict, skip) -> None:
+    """The verified copy of ``chosen`` into the live tensors; the optimizer's state reset if
+    the copy has none, the model's params from the restored main params, and ``chosen``
+    re-protected."""
     from ..adapters import shard
 
+    mirror.load_local(chosen)
     if meta.get("optimizer_state_empty"):
         shard.reset_optimizer_state(optimizer)  # the initial commit: before step 1
     shard.copy_main_params_to_model(optimizer, model)
