@@ -10,9 +10,11 @@ data-parallel reduce-scatter / all-gather), in the mirror job. Each kill run mus
 the failure-free run's state fingerprint (``bitwise``) and every recovery phase under
 ``PHASE_LIMIT_S``.
 
-Writes ``gpu_swap.json`` and ``gpu_swap.log`` (every launcher's whole output) under
-``--out`` and prints a table. Cases run in :data:`CASES` order until ``--budget-s`` is
-spent; a case that does not fit is recorded as skipped. ``--dry-run`` prints the commands
+Writes ``gpu_swap.json`` and ``gpu_swap.log`` (every launcher's whole output; ``--log``
+puts it elsewhere) under ``--out`` and prints a table. Cases run in :data:`CASES` order
+until ``--budget-s`` is spent, each under its own cap; a case that does not fit, or that the
+budget cuts, is recorded as skipped, not failed. The JSON has ``bitwise`` (the kill runs
+that finished) and ``deterministic`` (the two failure-free runs agree). ``--dry-run`` prints the commands
 and writes the JSON's plan without running anything (no GPU needed).
 """
 
@@ -67,20 +69,25 @@ class Case:
 
 
 _FWD = "a pipeline send/receive in flight"
-# In priority order: the budget cuts from the end.
+_OPT = "the survivors in the data-parallel reduce-scatter / all-gather"
+# The order they run in; the budget cuts from the end. The failure-free runs first (the
+# second one is the determinism control: without it a kill run that does not match cannot
+# tell a bad swap from a nondeterministic trainer), then the kill cases, Megatron-LM's
+# among the first.
 CASES = (
     Case("ref-free", "reference"),
-    Case("ref-kill-fwdbwd", "reference", "forward_backward", _FWD),
-    Case("mlm-free", "pretrain_gpt"),
-    Case("mlm-kill-fwdbwd", "pretrain_gpt", "forward_backward", _FWD),
-    Case("ref-kill-optimizer", "reference", "optimizer",
-         "the survivors in the data-parallel reduce-scatter / all-gather"),
-    Case("mlm-kill-optimizer", "pretrain_gpt", "optimizer",
-         "the survivors in the data-parallel reduce-scatter / all-gather"),
-    Case("ref-kill-mirror", "reference", "mirror", "the mirror job in flight"),
     Case("ref-free-again", "reference", what="failure-free again: is the trainer deterministic"),
+    Case("mlm-free", "pretrain_gpt"),
+    Case("ref-kill-fwdbwd", "reference", "forward_backward", _FWD),
+    Case("mlm-kill-fwdbwd", "pretrain_gpt", "forward_backward", _FWD),
+    Case("ref-kill-optimizer", "reference", "optimizer", _OPT),
+    Case("mlm-kill-optimizer", "pretrain_gpt", "optimizer", _OPT),
+    Case("ref-kill-mirror", "reference", "mirror", "the mirror job in flight"),
 )
-MIN_CASE_S = 45.0  # a case is not started with less budget left
+MIN_CASE_S = 45.0  # a case is not started with less budget left (nor less than the
+#                    longest finished case of its trainer took)
+CASE_CAP_S = 240.0  # one case's own limit: past it the case failed (a hang), not cut
+REHEARSAL_CUT = 0.4  # --rehearse-cut: the last case gets this share of a finished case's time
 
 
 def command(case: Case, out: str, tree: Optional[str], device: str = "cuda") -> List[str]:
@@ -113,9 +120,22 @@ def environment(commit: Optional[str]) -> dict:
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
             info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            info["cuda"] = torch.version.cuda
     except Exception as exc:  # noqa: BLE001 -- recorded: the JSON says what was missing
         info["torch_error"] = repr(exc)
+    info["driver"] = _driver()
     return info
+
+
+def _driver() -> Optional[str]:
+    """The NVIDIA driver's version (nvidia-smi), None where there is none."""
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30)
+        return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() \
+            else None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def _git_commit() -> Optional[str]:
@@ -195,7 +215,7 @@ def verdict(results: List[dict]) -> Dict[str, object]:
     out: Dict[str, object] = {}
     for trainer in TRAINER_FLAGS:
         mine = [r for r in results if r["trainer"] == trainer]
-        ref = next((r for r in mine if r["kill_phase"] is None and r["ok"]), None)
+        ref = _free(mine)
         kills = [r for r in mine if r["kill_phase"] is not None]
         if ref is None or not kills:
             out[trainer] = None
@@ -204,6 +224,21 @@ def verdict(results: List[dict]) -> Dict[str, object]:
             r["bitwise"] = bool(r["ok"] and r["final_state_sha256"] == ref["final_state_sha256"])
             r["phases_bounded"] = bool(r["recoveries"]) and (r["max_phase_s"] or 0) <= PHASE_LIMIT_S
         out[trainer] = all(r["bitwise"] and r["phases_bounded"] for r in kills)
+    return out
+
+
+def _free(mine: List[dict]) -> Optional[dict]:
+    return next((r for r in mine if r["kill_phase"] is None and r["ok"]), None)
+
+
+def determinism(results: List[dict]) -> Dict[str, Optional[bool]]:
+    """Per trainer: its two failure-free runs ended with the same fingerprint (None: fewer
+    than two finished)."""
+    out: Dict[str, Optional[bool]] = {}
+    for trainer in TRAINER_FLAGS:
+        free = [r for r in results if r["trainer"] == trainer and r["kill_phase"] is None]
+        out[trainer] = None if len(free) < 2 else all(
+            r["ok"] and r["final_state_sha256"] == free[0]["final_state_sha256"] for r in free)
     return out
 
 
@@ -224,15 +259,23 @@ def table(results: List[dict]) -> str:
 
 def run(out: str, tree: Optional[str], budget_s: float, dry_run: bool,
         commit: Optional[str] = None, cases: Optional[List[str]] = None,
-        device: str = "cuda") -> dict:
+        device: str = "cuda", case_cap_s: float = CASE_CAP_S, log_path: Optional[str] = None,
+        rehearse_cut: bool = False) -> dict:
+    """Run the cases in :data:`CASES` order. A case starts only if the budget left is at
+    least :data:`MIN_CASE_S` and the longest finished case of its trainer; it runs under the
+    smaller of ``case_cap_s`` and the budget left. A case stopped by its own cap failed; one
+    stopped because the budget ran out is *cut*: listed under ``skipped``, not judged.
+    ``rehearse_cut``: the last case gets :data:`REHEARSAL_CUT` of a finished case's time, so
+    a rehearsal shows the cut path whatever the machine's speed."""
     os.makedirs(out, exist_ok=True)
     chosen = [c for c in CASES if (cases is None or c.name in cases)
               and (tree is not None or c.trainer != "pretrain_gpt")]
     result = {"bench": "gpu_swap", "environment": environment(commit), "kill_iter": KILL_ITER,
-              "train_iters": ITERS, "phase_limit_s": PHASE_LIMIT_S,
-              "megatron_lm_tree": tree, "dry_run": dry_run, "device": device,
+              "train_iters": ITERS, "phase_limit_s": PHASE_LIMIT_S, "budget_s": budget_s,
+              "case_cap_s": case_cap_s, "megatron_lm_tree": tree, "dry_run": dry_run,
+              "device": device,
               "plan": [{"case": c.name, "what": c.what, "argv": command(c, out, tree, device)}
-                       for c in chosen], "results": [], "skipped": []}
+                       for c in chosen], "results": [], "skipped": [], "case_seconds": {}}
     if tree is None:
         result["skipped"].append({"trainer": "pretrain_gpt", "why": "no --megatron-lm tree"})
     if dry_run:
@@ -240,21 +283,52 @@ def run(out: str, tree: Optional[str], budget_s: float, dry_run: bool,
             print(f"[bench gpu] would run {c['case']} ({c['what']}):\n  {' '.join(c['argv'])}")
         return _write(out, result)
     deadline = time.monotonic() + budget_s
-    with open(os.path.join(out, "gpu_swap.log"), "a") as log:
-        for c, planned in zip(chosen, result["plan"]):
+    with open(log_path or os.path.join(out, "gpu_swap.log"), "a") as log:
+        for i, (c, planned) in enumerate(zip(chosen, result["plan"])):
+            done = [r["wall_s"] for r in result["results"] if r["trainer"] == c.trainer]
+            if rehearse_cut and i == len(chosen) - 1 and result["results"]:
+                walls = [r["wall_s"] for r in result["results"]]
+                deadline = time.monotonic() + REHEARSAL_CUT * sum(walls) / len(walls)
+                need = 0.0
+            else:
+                need = max([MIN_CASE_S] + done)
             left = deadline - time.monotonic()
-            if left < MIN_CASE_S:
-                result["skipped"].append({"case": c.name, "why": f"budget: {left:.0f} s left"})
+            if left < need:
+                result["skipped"].append({"case": c.name, "why": f"budget: {left:.0f} s left, "
+                                          f"the case needs about {need:.0f} s"})
+                print(f"[bench gpu] {c.name}: skipped ({left:.0f} s of budget left)", flush=True)
                 continue
-            print(f"[bench gpu] {c.name}: {c.what} ({left:.0f} s of budget left)", flush=True)
-            result["results"].append(run_case(c, planned["argv"], out, left, log))
+            cap = min(case_cap_s, left)
+            print(f"[bench gpu] {c.name}: {c.what} ({left:.0f} s of budget left, "
+                  f"cap {cap:.0f} s)", flush=True)
+            r = run_case(c, planned["argv"], out, cap, log)
+            result["case_seconds"][c.name] = r["wall_s"]
+            if r["timed_out"] and cap < case_cap_s:
+                result["skipped"].append({"case": c.name, "cut": True, "wall_s": r["wall_s"],
+                                          "why": f"cut by the budget after {r['wall_s']} s",
+                                          "completed_iters": r["completed_iters"]})
+                print(f"[bench gpu] {c.name}: cut by the budget after {r['wall_s']} s "
+                      "(skipped, not judged)", flush=True)
+            else:
+                result["results"].append(r)
+                print(f"[bench gpu] {c.name}: ok {r['ok']} in {r['wall_s']} s "
+                      f"(timed out {r['timed_out']})", flush=True)
             _write(out, result)  # what ran so far survives a cut-off
     v = verdict(result["results"])
     result["bitwise_by_trainer"] = v
     result["bitwise"] = bool(v) and all(x is True for x in v.values() if x is not None) \
         and any(x is True for x in v.values())
+    d = determinism(result["results"])
+    result["deterministic_by_trainer"] = d
+    result["deterministic"] = (all(x is not False for x in d.values())
+                               and any(x is True for x in d.values())) \
+        if any(x is not None for x in d.values()) else None
+    result["kills"] = {r["case"]: r.get("bitwise") for r in result["results"]
+                       if r["kill_phase"] is not None}
     print(table(result["results"]), flush=True)
-    print(f"[bench gpu] bitwise {result['bitwise']} {v}", flush=True)
+    print(f"[bench gpu] bitwise {result['bitwise']} {v}; deterministic "
+          f"{result['deterministic']} {d}; skipped "
+          f"{[s.get('case', s.get('trainer')) for s in result['skipped']]}", flush=True)
     return _write(out, result)
 
 

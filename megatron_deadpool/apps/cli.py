@@ -161,6 +161,14 @@ def _add_bench(sub) -> None:
                          "it only the reference trainer runs")
     bg.add_argument("--budget-s", type=float, default=420.0,
                     help="stop starting cases after this many seconds (default %(default)s)")
+    bg.add_argument("--case-cap-s", type=float, default=None,
+                    help="one case's own limit; a case past it failed (default: "
+                         "bench_gpu.CASE_CAP_S)")
+    bg.add_argument("--log", default=None, metavar="FILE",
+                    help="append every launcher's output here (default: OUT/gpu_swap.log)")
+    bg.add_argument("--rehearse-cut", action="store_true",
+                    help="a rehearsal: the last case gets a fraction of a finished case's "
+                         "time, so the budget's cut is shown")
     bg.add_argument("--cases", default=None, metavar="A,B", help="only these cases")
     bg.add_argument("--commit", default=None, help="the commit, where git is not there")
     bg.add_argument("--dry-run", action="store_true",
@@ -245,11 +253,12 @@ def _run_bench(args, rest: List[str]) -> int:
     from . import bench
 
     if args.bench == "gpu":
-        from .bench_gpu import run as gpu
+        from .bench_gpu import CASE_CAP_S, run as gpu
 
         r = gpu(args.out, args.megatron_lm, args.budget_s, args.dry_run, args.commit,
-                args.cases.split(",") if args.cases else None, args.device)
-        return 0 if args.dry_run or r["bitwise"] else 1
+                args.cases.split(",") if args.cases else None, args.device,
+                args.case_cap_s or CASE_CAP_S, args.log, args.rehearse_cut)
+        return 0 if args.dry_run or (r["bitwise"] and r["deterministic"] is not False) else 1
     if args.bench == "peers":
         from .bench_peers import run as peers
 
