@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fill the folder that travels to a lent GPU machine with what scripts/gpu_swap_check.sh
 # uses there (that machine reaches no network and may have no git, make or compiler):
-#   DIR/wheels/      cp312 x86_64 wheels of megatron-core and what Megatron-LM's training
+#   DIR/wheels/      cp312 x86_64 wheels of megatron-core 0.16.1 (the reference trainer's) and what Megatron-LM's training
 #                    code imports (pydantic and pydantic-core as the pair pydantic names)
 #   DIR/Megatron-LM  the pinned Megatron-LM tag, unpacked and patched here
 #   DIR/COMMIT       this checkout's commit (there is no git there)
@@ -31,7 +31,9 @@ mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
 if [ "$wheels" = 1 ]; then
   mkdir -p "$dir/wheels"
-  mcore=${tag#core_v}
+  # megatron-core as the reference trainer pins it (adapters/lm_rules.py); a Megatron-LM
+  # tree imports its own megatron/core first, and the dataset helper's source is the same
+  mcore=0.16.1
   dl() { python3 -m pip download -q -d "$dir/wheels" --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux_2_28_x86_64 --no-deps "$@"; }

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ..adapters import lm_rules
 from ..base.vocabulary import PHASE_ORDER
@@ -63,6 +63,7 @@ class Case:
     trainer: str                 # a key of TRAINER_FLAGS
     phase: Optional[str] = None  # None: failure-free; else node 1 killed in this phase
     what: str = "failure-free"
+    flags: Tuple[str, ...] = ()  # more trainer flags
 
     def inject(self) -> List[str]:
         return [] if self.phase is None else [f"kill:node=1@iter={KILL_ITER},phase={self.phase}"]
@@ -80,6 +81,11 @@ CASES = (
     Case("mlm-free", "pretrain_gpt"),
     Case("ref-kill-fwdbwd", "reference", "forward_backward", _FWD),
     Case("mlm-kill-fwdbwd", "pretrain_gpt", "forward_backward", _FWD),
+    # On NCCL an aborted collective leaves its output unwritten, and kernels queued behind it
+    # still run: a survivor can hit a device-side assert (a sticky CUDA error). A local
+    # restart replaces such a process from its mirror.
+    Case("mlm-kill-fwdbwd-restart", "pretrain_gpt", "forward_backward",
+         _FWD + ", a local restart allowed", ("--deadpool-max-local-restarts", "2")),
     Case("ref-kill-optimizer", "reference", "optimizer", _OPT),
     Case("mlm-kill-optimizer", "pretrain_gpt", "optimizer", _OPT),
     Case("ref-kill-mirror", "reference", "mirror", "the mirror job in flight"),
@@ -105,7 +111,8 @@ def command(case: Case, out: str, tree: Optional[str], device: str = "cuda") -> 
         flags += ["--device", device, "--backend", "nccl" if device == "cuda" else "gloo"]
     for spec in case.inject():
         argv += ["--inject", spec]
-    return argv + ["--", *flags, "--deadpool", "--deadpool-events", d + ".events.jsonl"]
+    return argv + ["--", *flags, *case.flags, "--deadpool", "--deadpool-events",
+                   d + ".events.jsonl"]
 
 
 def environment(commit: Optional[str]) -> dict:
@@ -206,7 +213,8 @@ def summarize(case: Case, path: str, code: Optional[int], wall_s: float,
             "error": s.get("error") if s else "no summary written",
             "completed_iters": s.get("completed_iters"),
             "final_state_sha256": s.get("final_state_sha256"), "recoveries": recs,
-            "max_phase_s": worst, "losses": s.get("losses")}
+            "max_phase_s": worst, "local_restarts": len(s.get("local_restarts") or []),
+            "losses": s.get("losses")}
 
 
 def verdict(results: List[dict]) -> Dict[str, object]:
