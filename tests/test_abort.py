@@ -131,3 +131,30 @@ def test_the_abort_wakes_the_mirrors_own_connections(monkeypatch):
     w.abort("generation 4 published", rank=0, newer_than=4)
     w.abort("again", rank=0)
     assert woken == [1] and w.aborted
+
+
+def test_an_aborted_nccl_world_is_cleared_without_a_shutdown(monkeypatch):
+    """On an H200 (NCCL 2.28.9, torch 2.11) every survivor hung in
+    ``destroy_process_group`` after its communicators were aborted: the shutdown of an
+    aborted NCCL communicator waited for the dead peer. After an abort, a world with an NCCL
+    group is cleared by ``_abort_process_group``; a healthy end still shuts down cleanly."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from megatron_deadpool.recovery import abort
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(abort.groups, "destroy", lambda: calls.append("megatron"))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: calls.append("shutdown"))
+    monkeypatch.setattr(c10d, "_abort_process_group", lambda *a: calls.append("abort"))
+    monkeypatch.setattr(abort, "has_nccl_group", lambda: True)
+    abort.destroy_world(aborted=True)
+    assert calls == ["megatron", "abort"]
+    calls.clear()
+    abort.destroy_world()  # the job's end: nothing was aborted
+    assert calls == ["megatron", "shutdown"]
+    calls.clear()
+    monkeypatch.setattr(abort, "has_nccl_group", lambda: False)
+    abort.destroy_world(aborted=True)  # gloo only: destroy as before
+    assert calls == ["megatron", "shutdown"]

@@ -209,13 +209,38 @@ def abort_communicators(backend: str, store_port: Optional[int],
     return info
 
 
-def destroy_world() -> None:
-    """Forget this generation's groups: megatron's globals first, then torch's registry."""
+def destroy_world(aborted: bool = False) -> None:
+    """Forget this generation's groups: megatron's globals first, then torch's registry.
+
+    ``aborted`` (the communicators were aborted by a recovery): where any group is NCCL,
+    the registry is cleared through ``_abort_process_group`` instead of
+    ``destroy_process_group``, whose shutdown of an aborted NCCL communicator waited for
+    the dead peer and never returned (seen on an H200, NCCL 2.28.9, torch 2.11: every
+    survivor stuck in ``destroy_process_group`` until fenced, docs/data/gpu_swap_h200_*)."""
     import torch.distributed as dist
 
     groups.destroy()
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return
+    if aborted and has_nccl_group():
+        from torch.distributed import distributed_c10d as c10d
+
+        c10d._abort_process_group()
+    else:
         dist.destroy_process_group()
+
+
+def has_nccl_group() -> bool:
+    """Some group torch.distributed knows of in this process runs on NCCL."""
+    import torch.distributed as dist
+
+    for pg in all_process_groups():
+        try:
+            if "nccl" in str(dist.get_backend(pg)).lower():
+                return True
+        except (RuntimeError, ValueError):
+            continue
+    return False
 
 
 def drop_traceback(exc: BaseException) -> None:

@@ -285,7 +285,7 @@ class World:
     def destroy(self) -> None:
         self.forget()
         self.book, self._default_sockets = repair.Book(), set()
-        ab.destroy_world()
+        ab.destroy_world(aborted=self.aborted)
 
 
 def _nothing() -> None:
