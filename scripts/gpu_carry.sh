@@ -51,8 +51,9 @@ tar xzf "$archive" -C "$dir"
 bash "$here/scripts/apply_patches.sh" "$dir/Megatron-LM" >/dev/null
 echo "$tag" > "$dir/TAG"
 if [ -d "$here/.git" ] && command -v git >/dev/null; then
-  { git -C "$here" rev-parse HEAD; git -C "$here" status --porcelain --untracked-files=no | grep -q . && echo dirty || true; } \
-    | paste -sd' ' > "$dir/COMMIT"
+  sha=$(git -C "$here" rev-parse HEAD)
+  if [ -n "$(git -C "$here" status --porcelain --untracked-files=no)" ]; then sha="$sha dirty"; fi
+  echo "$sha" > "$dir/COMMIT"
   rel=${dir#"$here"/}
   if [ "$rel" != "$dir" ]; then
     mkdir -p "$here/.git/info"

@@ -108,6 +108,7 @@ if [ "$rehearse" = 1 ]; then
   say "rehearsal on CPU: git $(command -v git >/dev/null && echo present || echo absent), make $(command -v make >/dev/null && echo present || echo absent), no package index"
 fi
 
+# shellcheck disable=SC2317  # finish runs from the EXIT trap
 finish() {  # OUT: three files whatever happened; the log's tail to standard output
   local rc=$?
   say "packing (call $(elapsed) s, exit ${status:-$rc})"

@@ -14,12 +14,12 @@ from conftest import REPO
 from megatron_deadpool.apps import bench_gpu
 from megatron_deadpool.launch import gpus
 from megatron_deadpool.launch.options import LaunchOptions, validate
-from mlm import find_archive
 
 
-def test_dry_run_plans_both_trainers_on_the_shared_gpu(tmp_path):
-    if find_archive("core_v0.19.0") is None and os.environ.get("CI") != "true":
-        pytest.skip("no Megatron-LM archive beside the repository")
+def test_dry_run_plans_both_trainers_on_the_shared_gpu_in_order(tmp_path):
+    """From a clean clone (no carry yet) the dry run still plans every case, in the order
+    the device runs them: the failure-free runs first (the second is the determinism
+    control), then the kills, Megatron-LM's among the first."""
     p = subprocess.run(["bash", str(REPO / "scripts" / "gpu_swap_check.sh"), "--dry-run",
                         "--out", str(tmp_path / "o"), "--carry", str(tmp_path)],
                        env=dict(os.environ, PYTHON=sys.executable), capture_output=True,
@@ -27,9 +27,17 @@ def test_dry_run_plans_both_trainers_on_the_shared_gpu(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     plan = json.loads((tmp_path / "o" / "gpu_swap.json").read_text())
     assert plan["dry_run"] and not plan["results"] and plan["megatron_lm_tree"]
+    order = [c["case"] for c in plan["plan"]]
+    assert order == [c.name for c in bench_gpu.CASES]
+    assert order[:2] == ["ref-free", "ref-free-again"]
+    free = [i for i, c in enumerate(bench_gpu.CASES) if c.phase is None]
+    kills = [i for i, c in enumerate(bench_gpu.CASES) if c.phase is not None]
+    assert max(free) < min(kills)
+    assert bench_gpu.CASES[kills[1]].trainer == "pretrain_gpt"  # Megatron-LM's among the first
+    printed = [line.split("would run ")[1].split()[0] for line in p.stdout.splitlines()
+               if "would run" in line]
+    assert printed == order
     cases = {c["case"]: c["argv"] for c in plan["plan"]}
-    assert {"ref-free", "ref-kill-fwdbwd", "ref-kill-optimizer", "mlm-free", "mlm-kill-fwdbwd",
-            "mlm-kill-optimizer"} <= set(cases)
     for name, argv in cases.items():
         launch = argv[argv.index("launch"):argv.index("--")]
         assert launch[launch.index("--nodes") + 1] == "4"
@@ -69,14 +77,62 @@ def test_verdict_fails_on_a_mismatch_a_slow_phase_or_no_recovery():
         assert bench_gpu.verdict(ok[:1] + bad)["reference"] is False, bad
 
 
+def test_determinism_needs_two_equal_failure_free_runs():
+    a, b = _result("ref-free", "reference", None, "a"), _result("ref-free-again", "reference",
+                                                                None, "a")
+    assert bench_gpu.determinism([a, b]) == {"reference": True, "pretrain_gpt": None}
+    assert bench_gpu.determinism([a, dict(b, final_state_sha256="b")])["reference"] is False
+    assert bench_gpu.determinism([a])["reference"] is None
+
+
+def test_the_outbox_rules_catch_what_would_not_come_back(tmp_path):
+    sys.path.insert(0, str(REPO / "scripts"))
+    import gpu_outbox
+
+    ok = tmp_path / "ok"
+    (ok / "a" / "b").mkdir(parents=True)
+    (ok / "a" / "b" / "f.json").write_text("{}")
+    assert gpu_outbox.problems(str(ok)) == []
+    deep = tmp_path / "deep" / "a" / "b" / "c"
+    deep.mkdir(parents=True)
+    (deep / "f").write_text("x")
+    assert any("folders down" in p for p in gpu_outbox.problems(str(tmp_path / "deep")))
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(9):
+        (many / f"f{i}").write_text("x")
+    assert any("more than 8" in p for p in gpu_outbox.problems(str(many)))
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "a b").write_text("x")
+    assert any("other characters" in p for p in gpu_outbox.problems(str(odd)))
+
+
 @pytest.mark.slow
-def test_cpu_rehearsal_of_the_reference_cases(tmp_path):
-    """The script's own runs, in CPU mode: a kill in forward/backward and one in the
-    optimizer step recover bitwise against the failure-free run."""
-    r = bench_gpu.run(str(tmp_path), None, budget_s=900, dry_run=False, device="cpu",
-                      cases=["ref-free", "ref-kill-fwdbwd", "ref-kill-optimizer"])
-    assert r["bitwise"] is True and r["bitwise_by_trainer"]["reference"] is True, \
-        json.dumps(r["results"], indent=1)[-3000:]
+@pytest.mark.ci
+def test_the_cpu_rehearsal_of_the_one_call(tmp_path):
+    """The whole device call on CPU under the device's rules (git and make off PATH, no
+    package index), in its cheapest form: the smoke test, ref-free, ref-free-again and a
+    kill in forward/backward, then ref-kill-optimizer cut by the scaled-down deadline. OUT
+    comes back whole (3 files), the cut case is skipped, not failed, and the CPU cases are
+    deterministic and bitwise."""
+    out = tmp_path / "out"
+    p = subprocess.run(["bash", str(REPO / "scripts" / "gpu_swap_check.sh"), "--rehearse",
+                        "--out", str(out / "gpu_swap")],
+                       env=dict(os.environ, PYTHON=sys.executable, OUT=str(out)),
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    assert "comes back whole" in p.stdout and "git absent, make absent" in p.stdout
+    assert "the last 60 lines of the log" in p.stdout
+    assert sorted(os.listdir(out / "gpu_swap")) == ["gpu_swap.json", "gpu_swap.log.gz",
+                                                   "gpu_swap_cases.tar.gz"]
+    r = json.loads((out / "gpu_swap" / "gpu_swap.json").read_text())
+    assert r["smoke"]["ok"] and r["machine"]["tools"]["git"] is False
+    assert r["deterministic"] is True and r["bitwise"] is True, json.dumps(r["results"])[-3000:]
+    assert r["kills"] == {"ref-kill-fwdbwd": True}
+    assert [s["case"] for s in r["skipped"] if s.get("cut")] == ["ref-kill-optimizer"]
+    assert set(r["case_seconds"]) == {"ref-free", "ref-free-again", "ref-kill-fwdbwd",
+                                      "ref-kill-optimizer"}
 
 
 def test_counts_dry_run_plans_the_repair_probe(tmp_path):
