@@ -198,3 +198,28 @@ def test_groups_made_outside_the_build_leave_the_registry(fake_world):
     assert stray not in dist.distributed_c10d._world.pg_map
     current = {id(g) for g, _ in _roles().values()} | {id(dist.group.WORLD)}
     assert {id(g) for g in dist.distributed_c10d._world.pg_map} <= current
+
+
+@pytest.mark.parametrize("world", [16, 64])
+def test_a_survivors_replay_calls_torch_only_for_the_groups_it_rebuilds(fake_world,
+                                                                       monkeypatch, world):
+    """Issue 57: rebuilding megatron-core's groups does not make a rank call torch's
+    ``new_group`` for groups it is not in. A survivor far from the dead node (TP2 x PP2, node
+    1 = ranks 2 and 3 lost) makes the same number of torch calls at W = 16 and W = 64."""
+    make, store_cls = fake_world
+    kw = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+          "create_gloo_process_groups": False}
+    rank = world - 1
+    w = make(rank, world, kw, _plan(0, world))
+    calls = []
+    torch_new_group = dist.new_group
+
+    def counted(*a, **k):
+        calls.append(k.get("ranks", a[0] if a else None))
+        return torch_new_group(*a, **k)
+    monkeypatch.setattr(dist, "new_group", counted)
+    did = _recover(w, store_cls, rank, world, _plan(1, world, [2, 3]))
+    mine = [r for r in calls if r is None or rank in r]
+    assert len(calls) == len(mine), f"torch called for {len(calls) - len(mine)} foreign groups"
+    assert len(calls) == did.get("groups_rebuilt", 0)  # (the default group is made before)
+    assert len(calls) <= 4, calls  # the dead ranks' data-parallel side only: not O(W)

@@ -22,8 +22,9 @@ sockets, a metrics client, a remote data reader, and NCCL's bootstrap and proxy 
 (without a ``device_id``, as here, NCCL connects lazily, at a communicator's first
 collective, outside any block; its communicators are aborted by ``abort()``). Limits: a socket that another thread of this
 process opens during a group's creation is taken for the group's; a gloo group built with
-``TORCH_GLOO_LAZY_INIT=1`` connects later and is not recorded (DeadPool does not set it:
-world.py). The mirror's own TCP connections are its transport's to shut (``World.on_abort``).
+``TORCH_GLOO_LAZY_INIT=1`` connects later and is not recorded: DeadPool sets it for a
+recovery's default group only (world.py ``lazy_default``), which nothing uses while a peer
+may die; its pairs are closed when the reaper destroys it. The mirror's own TCP connections are its transport's to shut (``World.on_abort``).
 """
 
 from __future__ import annotations

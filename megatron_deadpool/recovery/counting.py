@@ -4,7 +4,8 @@ non-member), the gloo connections they open, and the store operations of a gener
 store (``CountingStore``: gloo's rendezvous, the mirror's addresses).
 
 A gloo group is connected eagerly, as a full mesh: a member opens a pair to each other
-member (``size - 1`` connections; world.py says why lazy initialisation is off). NCCL
+member (``size - 1`` connections), except a recovery's default group, which connects on
+first use (world.py ``lazy_default``: no other group is lazy, and why). NCCL
 connects lazily, on first use, so an NCCL group counts as created with no connections.
 """
 
@@ -42,11 +43,12 @@ def generation_store(store):
     return counted
 
 
-def count_group(backend: str, size: int) -> None:
-    """A group of ``size`` members this process belongs to was created."""
+def count_group(backend: str, size: int, lazy: bool = False) -> None:
+    """A group of ``size`` members this process belongs to was created (``lazy``: a gloo
+    group that connects a pair on first use, none now)."""
     counts.add("groups_created")
     counts.add("group_members", size)
-    if str(backend).lower() == "gloo":
+    if str(backend).lower() == "gloo" and not lazy:
         counts.add("connections", max(0, size - 1))
 
 

@@ -18,8 +18,10 @@ members vote to keep it:
 A vote is one round on the generation's store: ``compare_set`` (the first account written
 wins, each later member compares), ``add`` (arrivals, and a mismatch flag), the last to
 arrive writes the verdict, everyone reads it: four or five operations per member and group,
-never a connection. A call this rank is not a member of makes nothing (torch connects only
-members; ``TORCH_DIST_INIT_BARRIER`` is off). Every group made in a replay gets a c10d name
+never a connection. A call this rank is not a member of makes nothing and does not reach
+torch's ``new_group`` (which would make nothing either: torch connects only members and
+``TORCH_DIST_INIT_BARRIER`` is off), so a rank's replay costs O(groups it is in) in torch,
+not O(every group of the job). Every group made in a replay gets a c10d name
 fixed by its generation and call index (``name_next``), so that a promoted spare, whose
 process has no history, and the survivors, whose counters moved, name it alike.
 
@@ -109,9 +111,9 @@ class Replay:
         key, index = (members, backend, n), self.calls
         self.calls += 1
         name = str(self.gen * NAME_SPAN + index)
-        if self.me not in members:  # nothing is made; its name is skipped alike
-            name_next(self.gen, index)
-            return original(*args, **kwargs)
+        if self.me not in members:  # nothing is made, torch is not called: its name is
+            name_next(self.gen, index + 1)  # skipped alike (what torch's count would be)
+            return dist.GroupMember.NON_GROUP_MEMBER
         old = self.old.groups.get(key)
         if self._keep(old, name, members, backend):
             self.new.groups[key] = old
@@ -150,13 +152,15 @@ class Replay:
         return out
 
 
-def _count_rebuilt(size: int, unsettled: bool) -> None:
+def _count_rebuilt(size: int, unsettled: bool, lazy: bool = False) -> None:
+    """``lazy``: a group that connects on first use (a recovery's default group)."""
+    links = 0 if lazy else size - 1
     counts.add("groups_rebuilt")
     counts.add("rebuilt_members", size)
-    counts.add("rebuilt_connections", size - 1)
+    counts.add("rebuilt_connections", links)
     if unsettled:  # no member failed: an operation was in flight on it
         counts.add("rebuilt_unsettled")
-        counts.add("unsettled_connections", size - 1)
+        counts.add("unsettled_connections", links)
 
 
 @contextlib.contextmanager

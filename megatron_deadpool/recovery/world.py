@@ -17,6 +17,8 @@ the lock keeps it from racing with ``init_process_group`` publishing a new live 
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import os
 import threading
@@ -125,17 +127,28 @@ class World:
             repair.name_next(gen, repair.DEFAULT_AT)  # alike on every rank
         store = ab.generation_store(store)  # a group creation's store wait ends at the abort
         before = set(ab.socket_inodes())
-        with ab.communicator_sockets():  # the abort shuts these down, and only these
+        lazy = self.lazy_default(gen)
+        with ab.communicator_sockets(), _gloo_lazy(lazy):  # the abort shuts these down
             dist.init_process_group(backend=self.backend, store=dist.PrefixStore(
                 f"gen{gen}/", counting.generation_store(store)), rank=rank,
                 world_size=world_size, timeout=timedelta(seconds=self._form_timeout_s))
         self._default_sockets = set(ab.socket_inodes()) - before
-        counting.count_group(self.backend, world_size)
+        counting.count_group(self.backend, world_size, lazy=lazy)
         if old is not None:  # a survivor: the default group is one of the dead ranks'
-            repair._count_rebuilt(world_size, unsettled=False)
+            repair._count_rebuilt(world_size, unsettled=False, lazy=lazy)
         with self._lock:
             self._live_gen = gen
             self.aborted = False
+
+    def lazy_default(self, gen: int) -> bool:
+        """A recovery's default group (generation > 0, gloo, groups kept) opens no
+        connection when it is made: gloo connects a pair of it on first use. Nothing on
+        the training path uses it (megatron-core's and the trainers' collectives run on
+        their own groups; docs/how-it-works.md lists its uses: a save's barriers, the end's
+        digests), so a recovery no longer builds a full mesh of W - 1 connections per rank.
+        Only the default group is lazy: gloo's lazy connect to a dead peer has no timeout
+        (pytorch/gloo#520), and megatron's groups are the ones in use when a peer dies."""
+        return self.backend == "gloo" and self.keep and gen > 0
 
     def _forget_default(self):
         """The old default group, out of torch's registry, its connections shut; the
@@ -286,6 +299,27 @@ class World:
         self.forget()
         self.book, self._default_sockets = repair.Book(), set()
         ab.destroy_world(aborted=self.aborted)
+
+
+@contextlib.contextmanager
+def _gloo_lazy(on: bool):
+    """``TORCH_GLOO_LAZY_INIT`` set while one group is made (ProcessGroupGloo reads it when
+    it is constructed); the variable as it was afterwards."""
+    if not on:
+        yield
+        return
+    old = os.environ.get(LAZY_VAR)
+    os.environ[LAZY_VAR] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(LAZY_VAR, None)
+        else:
+            os.environ[LAZY_VAR] = old
+
+
+LAZY_VAR = "TORCH_GLOO_LAZY_INIT"
 
 
 def _nothing() -> None:
