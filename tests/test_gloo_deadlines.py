@@ -202,6 +202,11 @@ def _stuck_worker(rank: int, path: str, stuck: str, out) -> None:
     import threading
 
     from megatron.core import parallel_state as ps
+    # imported before the World (as a trainer does): these modules bind torch's collectives
+    # under their own names at import (dist_all_gather_func, dist_reduce_scatter_func)
+    from megatron.core.tensor_parallel import mappings
+
+    from megatron_deadpool.recovery import group_ops
 
     store = dist.FileStore(path, 2)
     w = _training_world(store, rank, 20.0)
@@ -237,22 +242,37 @@ def _stuck_worker(rank: int, path: str, stuck: str, out) -> None:
         elif stuck == "coalesced":  # torch waits on the coalesced work itself at the end
             with dist._coalescing_manager(group=unknown):
                 dist.all_reduce(torch.ones(4), group=unknown)
+        elif stuck == "sp_all_gather":  # as _gather_along_first_dim calls it (sequence
+            # parallelism), without its torch.cuda.current_device()
+            mappings.dist_all_gather_func(torch.zeros(8), torch.ones(4), group=unknown)
+        elif stuck == "sp_reduce_scatter":  # as _reduce_scatter_along_first_dim
+            mappings.dist_reduce_scatter_func(torch.zeros(2), torch.ones(4), group=unknown)
         else:
             dist.all_reduce(torch.ones(4), group=unknown)
-        out.put((kind, received, "completed"))
-    except RuntimeError as exc:
-        out.put((kind, received, str(exc)))
+        msg = "completed"
+    except Exception as exc:  # noqa: BLE001 - reported (a RuntimeError is expected)
+        msg = str(exc)
+    # the tally a recovery's vote reads (group_ops.py): the stuck operation is still open,
+    # so the group is rebuilt, never kept
+    out.put((kind, received, msg, group_ops.digest(unknown.group_name, 0, [0, 1])))
     store.set("reported", "1")
 
 
-@pytest.mark.parametrize("stuck", ["send", "all_reduce", "coalesced"])
+@pytest.mark.parametrize("stuck", ["send", "all_reduce", "coalesced", "sp_all_gather",
+                                   "sp_reduce_scatter"])
 def test_a_gloo_wait_the_socket_shutdown_misses_ends_at_the_abort(tmp_path, stuck):
     """A survivor blocked in a gloo send once sat out the whole op deadline (15 s) before
     reaching the new plan, and one in a collective still did after the p2p fix. A wait
     whose connection the abort does not break (here: a group the abort's socket record does
     not hold, a peer that never takes part) now ends at the abort (recovery/gloo_waits.py)
-    with a communication failure, not at the deadline. Healthy operations, p2p and
-    collective, blocking and asynchronous, go through the same wrappers unchanged."""
+    with a communication failure, not at the deadline, and its group's tally shows it open.
+    Healthy operations, p2p and collective, blocking and asynchronous, go through the same
+    wrappers unchanged.
+
+    sp_*: megatron's sequence-parallel all-gather and reduce-scatter, issued through the
+    names megatron bound at import (issue 57). They were neither abandoned nor tallied: the
+    survivor sat in gloo until its deadline closed every pair of the group, which the vote
+    (seeing nothing open) had kept ("Application timeout caused pair closure")."""
     import multiprocessing as mp
 
     from megatron_deadpool.recovery import gloo_waits
@@ -265,7 +285,7 @@ def test_a_gloo_wait_the_socket_shutdown_misses_ends_at_the_abort(tmp_path, stuc
     for p in procs:
         p.start()
     try:
-        kind, received, msg = out.get(timeout=150)
+        kind, received, msg, tally = out.get(timeout=150)
     finally:
         for p in procs:
             p.join(150)
@@ -277,6 +297,7 @@ def test_a_gloo_wait_the_socket_shutdown_misses_ends_at_the_abort(tmp_path, stuc
     assert received == "4.0 8.0 12.0 60.0 9.0"
     assert msg == gloo_waits.ABANDONED, msg  # not "Timed out waiting 20000ms for ..."
     assert is_comm_failure(RuntimeError(msg))
+    assert tally == "open:1", tally  # not "keep:...": the vote rebuilds that group
 
 
 def test_a_p2p_work_issued_before_an_abort_is_never_waited_on_after_it():

@@ -117,6 +117,9 @@ class DeadpoolConfig:
     # iteration stays above FACTOR x the median for WINDOW iterations is drained
     straggler_swap: Optional[Tuple[float, int]] = None
     count_work: bool = False  # --deadpool-count-work: base/counts.py, bench recovery --counts
+    # --deadpool-rebuild-all-groups: a recovery on a gloo world makes every group again
+    # instead of keeping those the failure did not break (recovery/repair.py)
+    rebuild_all_groups: bool = False
     # startup/save/eval/data -> seconds (STEP's is progress_timeout_s); defaults filled in
     section_timeouts_s: Mapping[str, float] = field(default_factory=dict)
 
@@ -195,6 +198,7 @@ class DeadpoolConfig:
             drain_source=getattr(args, "deadpool_drain_source", DrainSource.BUDDY),
             straggler_swap=parse_straggler_swap(getattr(args, "deadpool_straggler_swap", None)),
             count_work=bool(getattr(args, "deadpool_count_work", False)),
+            rebuild_all_groups=bool(getattr(args, "deadpool_rebuild_all_groups", False)),
             section_timeouts_s=parse_section_timeouts(
                 getattr(args, "deadpool_section_timeouts", None) or ""),
         )
@@ -340,6 +344,11 @@ def add_config_args(parser: argparse.ArgumentParser,
     g.add_argument("--deadpool-count-work", action="store_true", help="count each recovery "
                    "phase's store operations too (its groups, connections and mirror traffic "
                    "are always counted): the recovery reports carry them (bench recovery)")
+    g.add_argument("--deadpool-rebuild-all-groups", action="store_true",
+                   default=d.rebuild_all_groups, help="on a gloo (CPU) world, a recovery "
+                   "makes every process group again; by default it keeps the groups the "
+                   "failure did not break (no dead member, no operation in flight) and "
+                   "rebuilds only the others. NCCL worlds always rebuild every group")
     _add_drain_args(g, d)
     return parser
 

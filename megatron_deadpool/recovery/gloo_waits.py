@@ -173,8 +173,6 @@ def install() -> None:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    _install_coalescing(dist, c10d)
-
     for name in ("isend", "irecv") + COLLECTIVES:
         orig = getattr(c10d, name, None)
         if orig is None or getattr(orig, "_deadpool_abortable", False):
@@ -185,6 +183,42 @@ def install() -> None:
         setattr(c10d, name, wrapped)
         if getattr(dist, name, None) is orig:
             setattr(dist, name, wrapped)
+    _install_coalescing(dist, c10d)
+    _rebind_held(c10d)
+
+
+def _rebind_held(c10d) -> int:
+    """Every module imported already that holds one of torch's own functions under any name
+    gets the wrapper instead: megatron-core binds its sequence-parallel and bucket
+    collectives at import (``dist_all_gather_func = torch.distributed.all_gather_into_tensor``
+    in tensor_parallel/mappings.py and layers.py, ``dist_reduce_scatter_func`` likewise,
+    param_and_grad_buffer.py's ``_coalescing_manager``), and an operation issued through such
+    a name was neither tallied (group_ops.py: its group looked idle and was kept) nor
+    abandoned at the abort (it ran to gloo's deadline, which closes every pair of the group:
+    "Application timeout caused pair closure"). Modules imported later read the wrapped
+    names from ``torch.distributed``. Returns how many names were rebound."""
+    import sys
+
+    wrapped = {}
+    for name in ("isend", "irecv", "_coalescing_manager") + COLLECTIVES:
+        w = getattr(c10d, name, None)
+        if getattr(w, "_deadpool_abortable", False):
+            wrapped[id(w.__wrapped__)] = w
+    rebound = 0
+    for mod in list(sys.modules.values()):
+        try:
+            names = vars(mod)
+            held = [(k, wrapped[id(v)]) for k, v in list(names.items())
+                    if id(v) in wrapped and v is wrapped[id(v)].__wrapped__]
+        except Exception:  # noqa: BLE001 - not a module, or one whose dict misbehaves
+            continue
+        for key, w in held:
+            try:
+                setattr(mod, key, w)
+                rebound += 1
+            except Exception:  # noqa: BLE001 - a read-only module attribute
+                continue
+    return rebound
 
 
 def _mark(wrapper, orig):
@@ -268,20 +302,16 @@ def _abortable(orig):
 
 def _install_coalescing(dist, c10d) -> None:
     """torch's ``_coalescing_manager`` waits on its work itself when the block ends (Megatron's
-    data-parallel reduce-scatter and all-gather of buckets): wrapped under torch's names and
-    under any module's that imported it already (megatron-core's param_and_grad_buffer)."""
-    import sys
-
+    data-parallel reduce-scatter and all-gather of buckets): wrapped under torch's names (and
+    by ``_rebind_held`` under any module's that imported it already: megatron-core's
+    param_and_grad_buffer)."""
     orig = getattr(c10d, "_coalescing_manager", None)
     if orig is None or getattr(orig, "_deadpool_abortable", False):
         return
     wrapped = _abortable_coalescing(orig)
-    for mod in [c10d, dist, *list(sys.modules.values())]:
-        try:
-            if getattr(mod, "_coalescing_manager", None) is orig:
-                setattr(mod, "_coalescing_manager", wrapped)
-        except Exception:  # noqa: BLE001 - a module whose attribute access misbehaves
-            continue
+    for mod in (c10d, dist):  # other modules' names: _rebind_held
+        if getattr(mod, "_coalescing_manager", None) is orig:
+            setattr(mod, "_coalescing_manager", wrapped)
 
 
 def _abortable_coalescing(orig):

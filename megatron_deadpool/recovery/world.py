@@ -73,7 +73,7 @@ class World:
     def __init__(self, backend: str, store_port: int, rendezvous_timeout_s: float,
                  collective_timeout_s: float, emit: Callable[..., None],
                  gloo_op_timeout_s: Optional[float] = None,
-                 regroup_timeout_s: Optional[float] = None):
+                 regroup_timeout_s: Optional[float] = None, keep_groups: bool = True):
         self.backend, self.store_port = backend, store_port
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.collective_timeout_s = collective_timeout_s
@@ -88,12 +88,9 @@ class World:
         self._lock = threading.Lock()
         # what else an abort must wake: the mirror's own connections (control/link.py)
         self.on_abort: Callable[[], None] = _nothing
-        # DEADPOOL_KEEP_GROUPS=1: a gloo world keeps the groups a failure did not break
-        # (repair.py). Off by default: with it the production recipe (SP, VPP, overlap,
-        # a kill right after a save) failed after the swap, a kept TP group's pair closed
-        # ("Application timeout caused pair closure"); every group is made again, as
-        # before issue 51, until that is fixed
-        self.keep = backend == "gloo" and os.environ.get("DEADPOOL_KEEP_GROUPS") == "1"
+        # a gloo world keeps the groups a failure did not break (repair.py); with
+        # keep_groups False (--deadpool-rebuild-all-groups) every group is made again
+        self.keep = backend == "gloo" and keep_groups
         self.book = repair.Book()         # the last complete build's groups
         self.plan = None                  # the plan of the generation formed last
         self.dropped: list = []           # groups no longer used, for the reaper
