@@ -5,6 +5,7 @@ The first generation's stays eager (a full mesh: W - 1 pairs per rank), and the 
 still works when it is used (a barrier)."""
 
 import socket
+import time
 
 import torch.multiprocessing as mp
 
@@ -28,7 +29,14 @@ def _worker(rank, port, gen, q):
     w.keep = True
     before = set(ab.socket_inodes())
     w.init_process_group(store, gen, rank, WORLD)
+    store.add(f"made{gen}", 1)  # every rank has made the group, and a peer's connect to
+    while int(store.add(f"made{gen}", 0)) < WORLD:  # this one was accepted (gloo accepts
+        time.sleep(0.05)                              # on its own thread): then count
+    time.sleep(1.0)
     opened = len(set(ab.socket_inodes()) - before)
+    store.add(f"counted{gen}", 1)  # no peer's barrier connects to this one before it counted
+    while int(store.add(f"counted{gen}", 0)) < WORLD:
+        time.sleep(0.05)
     dist.barrier()  # the lazy pairs connect now
     used = len(set(ab.socket_inodes()) - before)
     q.put((rank, opened, used))
