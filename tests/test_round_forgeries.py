@@ -114,13 +114,40 @@ def test_a_forged_commit_vote_is_not_counted(votes, amount):
     not count."""
     forged = []
 
-    def forging(raw, op, key, value):  # once, as the first member arrives
-        if op == "add" and key.endswith("/arrived") and not forged:
+    def forging(raw, op, key, value):  # once, as the first member writes its record
+        if op == "set" and not forged:
             forged.append(True)
-            raw.add(key.replace("/arrived", "/c/false"), amount)
+            raw.add(key.rsplit("/u/", 1)[0] + "/c/false", amount)
 
     got = _run_all(len(votes), lambda rounds, r: rounds.all_ok(votes[r]), forging)
     assert got == [all(votes)] * len(votes)
+
+
+def test_a_forged_result_never_turns_a_no_into_a_commit():
+    """Issue 57: each member's result comes from its parent in the rounds' tree, signed for
+    it. A forger writes over every result with one signed without the job secret that says
+    nobody voted no: no member takes it (the vote is a no, logged as forged), and the next
+    round, without forgery, counts the genuine votes."""
+    state = {"on": True}
+
+    def forging(raw, op, keys, values):
+        if state["on"] and op == "multi_set":
+            for key in keys:
+                r, x = int(key.split("/")[-3]), int(key.split("/")[-1])
+                raw.set(key, auth.seal("not-the-job-secret", {
+                    "k": "down", "g": GEN, "r": r, "w": "commit", "to": x, "posts": {},
+                    "counts": {"false": 0}, "forged": {}}))
+
+    votes = [True, True, False, True, True, True]
+
+    def run(rounds, r):
+        first = rounds.all_ok(votes[r])
+        state["on"] = False
+        return first, rounds.all_ok(True)
+
+    got = _run_all(len(votes), run, forging)
+    assert all(g[0] is False for g in got), got  # never a commit over rank 2's no
+    assert [g[1] for g in got] == [True] * len(votes), got
 
 
 def _overwrite_sizes(raw, op, key, value, done):
@@ -131,7 +158,7 @@ def _overwrite_sizes(raw, op, key, value, done):
     if "/p/r" in key:  # the unsigned rounds: the post itself
         x = json.loads(value)[0]
         raw.set(key, json.dumps([x, 666]))
-    elif key.startswith(f"{PREFIX}m/"):  # the signed rounds' record
+    elif "/u/" in key:  # the signed rounds' record (a member's, with its subtree's)
 
         body = json.loads(value)["body"]
         body["posts"] = {t: 666 for t in body["posts"]}
@@ -174,7 +201,7 @@ def test_a_commit_vote_written_over_is_put_back_or_a_no_and_the_job_goes_on(
     state = {"on": True}
 
     def once(raw, op, key, value):
-        if state["on"] and op == "set" and key == f"{PREFIX}m/1":
+        if state["on"] and op == "set" and key == f"{PREFIX}1/u/1":
             raw.set(key, b"\xffforged")
             state["on"] = False
 
@@ -199,10 +226,11 @@ def _random_inventories(rng, world):
 
 
 class Fuzzer:
-    """After a genuine write, now and then, one forgery: a counter moved (the rounds' own and
-    those of the unsigned rounds: cover, the vote, the posts), a wake-up key set early, a
-    record written over with junk, a forged seal, a claim in JSON or a genuine record of
-    another slot, or deleted."""
+    """After a genuine write, now and then, one forgery: a counter moved (those of the
+    rounds before issue 57 and of the unsigned rounds: cover, the vote, the posts), a
+    record written over (or early) with junk, a forged seal, a claim in JSON or a genuine
+    record of another slot, or a member's record deleted (a result deleted leaves its
+    reader waiting until its timeout, as any deletion of a key waited for: not drawn)."""
 
     def __init__(self, rng, world, p=0.25):
         self.rng, self.world, self.p = rng, world, p
@@ -218,14 +246,13 @@ class Fuzzer:
     def _record(self, r):
         rng = self.rng
         x = rng.randrange(self.world)
-        return rng.choice([f"{PREFIX}m/{x}", f"{PREFIX}res/{x}", f"{PREFIX}res/all",
-                           f"{PREFIX}{r}/open", f"{PREFIX}{r}/done",
+        return rng.choice([f"{PREFIX}{r}/u/{x}", f"{PREFIX}{r}/d/{x}",
                            f"{PREFIX}{r}/p/holds/{x}/1"])
 
     def _value(self, r):
         rng = self.rng
         return rng.choice([b"\xff\xfejunk", json.dumps([rng.randrange(self.world), [7]]),
-                           auth.seal("not-the-secret", {"k": "member", "g": GEN, "r": r}),
+                           auth.seal("not-the-secret", {"k": "up", "g": GEN, "r": r}),
                            rng.choice(self.seen)])
 
     def __call__(self, raw, op, key, value):
@@ -242,8 +269,7 @@ class Fuzzer:
             elif what < 0.9:
                 raw.set(self._record(r), self._value(r))
             else:
-                x = rng.randrange(self.world)
-                raw.delete_key(rng.choice([f"{PREFIX}m/{x}", f"{PREFIX}res/{x}"]))
+                raw.delete_key(f"{PREFIX}{r}/u/{rng.randrange(self.world)}")
 
 
 def test_fuzzed_rounds_finish_right_or_stop_naming_forgery():
@@ -332,8 +358,9 @@ class RoundForger(threading.Thread):
     generation's default store is ``gen{g}//{n}//`` (world.py's prefix, then torch's, ``n``
     its group counter): every ``n`` up to N_GROUPS is planted. Then, as each generation's
     rounds appear, random forgeries on them: the counters of the unsigned rounds (cover, the
-    vote, the posts' counts), junk under their post keys, and the signed rounds' arrival
-    counts moved back (each costs a round SLICE_S at most)."""
+    vote, the posts' counts), junk under their post keys, and junk written early under the
+    signed rounds' up records (each costs polling until its writer writes over it). A
+    generation's rounds are found by the socket transport's address key in the same store."""
 
     N_GROUPS = 300
 
@@ -357,7 +384,7 @@ class RoundForger(threading.Thread):
         for g in (1, 2):
             if g not in self.live:
                 for n in range(self.N_GROUPS):
-                    if store.check([f"gen{g}//{n}//{PREFIX}1/arrived"]):
+                    if store.check([f"gen{g}//{n}//deadpool-mirror-socket/0"]):
                         self.live[g] = f"gen{g}//{n}//{PREFIX}"
                         break
 
@@ -374,7 +401,7 @@ class RoundForger(threading.Thread):
             store.add(f"{base}/p/holds/{n}/n", 1)
             store.set(f"{base}/p/holds/{n}/{rng.randrange(1, 4)}", json.dumps([n, [3]]))
         else:
-            store.add(f"{base}/arrived", -rng.randrange(1, 3))
+            store.set(f"{base}/u/{rng.randrange(1, 4)}", b"\xff\xfejunk")
         self.written += 1
 
     def run(self) -> None:

@@ -1,39 +1,49 @@
 """The mirror's collectives as rounds on the generation's store, so that no world-sized gloo
 group is built for them (issue 39: per survivor, the mirror's connections and messages are
 O(K), independent of W), each value signed with the job secret (issue 49: a client of the
-store without the secret can forge no vote, size or count).
+store without the secret can forge no vote, size or count), and no rank reading or
+verifying O(W) records (issue 57: before, rank 0 read, verified and answered every
+member's record in each round: 101 / 172 / 316 store operations in a restore at W = 8 / 16
+/ 32).
 
-A round, for rank x of W::
+The members form a tree of fan-out ``FANOUT`` (rank x's parent is (x - 1) // FANOUT, its
+children FANOUT x + 1 ... FANOUT x + FANOUT; rank 0 is the root). A round r, for rank x::
 
-    x:       set m/{x} = its signed record (posts, adds, what it reads)
-             add {r}/arrived; the W-th to arrive sets {r}/open
-    rank 0:  waits for {r}/open, reads every m/{y} (one multi_get), verifies each, sums the
-             adds and sorts the posts, writes each member's signed result res/{y} (one
-             multi_set; res/all when every member reads the same) and sets {r}/done
-    x:       waits for {r}/done, reads res/{x}, verifies it
+    up:    x waits for {r}/u/{c} of each child c (one wait, one multi_get), verifies each,
+           merges them with its own posts and adds, and writes its subtree's signed record
+           {r}/u/{x}: the posts, the adds summed, the topics and counters its subtree reads,
+           and the ranks named forged below it
+    root:  rank 0 has merged the whole world's: the posts (sorted by poster), the totals
+    down:  x waits for {r}/d/{x}, written by its parent and signed for x, verifies it, and
+           writes each child's {r}/d/{c}: the part of it that the child's subtree reads;
+           then deletes its own {r}/u/{x} and {r}/d/{x} (both read by then)
 
-A survivor does four store operations per round (set, add, check, get) and its waits,
-whatever W; rank 0 reads and writes O(W) bytes in two operations more (the store server did
-O(W) per round already). Rounds are numbered per generation, and every member runs the same
-rounds in the same order (the mirror's calls are collective, as they were on a gloo group).
+Each rank verifies at most FANOUT + 1 records and does at most 2 FANOUT + 6 store
+operations per round (plus one ``compare_set`` and one ``wait`` per SLICE_S it waits), at
+any W; a round takes 2 log_FANOUT W store hops in a row. Rank 0 still merges O(W) bytes of
+posts (the store server did O(W) per round already). Rounds are numbered per generation,
+and every member runs the same rounds in the same order (the mirror's calls are
+collective, as they were on a gloo group). The keys of a round are per round, so that a
+wait on them blocks until they are written, and deleted once read, so that a
+generation's keys do not grow with its steps.
 
     all_ok(flag)            an AND: the sum of the members' "false" adds
     gather_from(v, ranks)   the values of ``ranks`` only (a holder's owners' slot sizes)
     all_gather_json(obj)    every member's value (O(W) bytes to each): kept for the
                             interface, not on the recovery's path
 
-Forgery (round_records.py has the records). The counter ``{r}/arrived`` and the keys
-``{r}/open`` and ``{r}/done`` are wake-ups only: no value is taken from them. Only verified
-records are summed. A record that fails its MAC or is signed for another slot, and one that
-is missing or of an older round once the arrival count reads W (its writer wrote this
-round's before it arrived: a forger deleted it or put an older one back), is forged once it
-has stayed so for ``GRACE_S`` (a genuine writer may still overwrite a forger's early write);
-the round then fails with ForgedRecordError naming the ranks, on every member. ``all_ok``
-takes that as a "no" vote (the iteration does not commit, the job goes on); every other
-round stops the recovery with it, never with NoCommittedStateError. An arrival count moved
-back delays a round by ``SLICE_S`` at most (rank 0 looks at the records that often while it
-waits); one moved forward, or a {r}/open or {r}/done set early, costs polling, and a
-forgery stop if a member is then slower than ``GRACE_S``.
+Forgery (round_records.py has the records). Only verified records are merged. An up record
+that fails its MAC, is signed for another slot or is an older round's (put there by a
+forger) is forged once it has stayed so for ``GRACE_S`` (its writer puts its own back every
+``SLICE_S`` while it waits, and a genuine writer may still overwrite a forger's early
+write); the parent then names it, the name travels up to the root and down to every member
+with the result, and the round fails with ForgedRecordError naming the ranks, on every
+member. A down record that stays forged for ``GRACE_S`` fails the round for the rank that
+reads it and, named in the records it writes, for its subtree. ``all_ok`` takes that as a
+"no" vote (the iteration does not commit, the job goes on); every other round stops the
+recovery with it, never with NoCommittedStateError. A record deleted by a forger: an up
+record is put back by its writer within ``SLICE_S``; a down record (as the old ``done``
+key) leaves its reader waiting until ``timeout_s``: denial of service, as any deletion.
 
 A member that dies leaves the others waiting until ``timeout_s`` (a ``TransportTimeout``)
 or until the abort shuts the generation's store connection down.
@@ -53,9 +63,10 @@ from . import round_records as rr
 log = logging.getLogger(__name__)
 
 PREFIX = "mirror/rounds/"
-AGGREGATOR = 0
+ROOT = 0
+FANOUT = 4       # children per member: each rank verifies at most FANOUT + 1 records
 GRACE_S = 2.0    # a forged record that stays forged this long fails the round
-SLICE_S = 1.0    # rank 0 looks at the records this often while it waits for {r}/open
+SLICE_S = 1.0    # a waiting rank looks at its own up record this often (put back if changed)
 POLL_S = 0.005   # while a record is stale or forged (the first wait; doubling to 50 ms)
 
 
@@ -70,6 +81,14 @@ def _waited(store, keys: Sequence[str], seconds: float) -> bool:
         raise
 
 
+def parent_of(rank: int) -> Optional[int]:
+    return None if rank == ROOT else (rank - 1) // FANOUT
+
+
+def children_of(rank: int, world_size: int) -> List[int]:
+    return [c for c in range(FANOUT * rank + 1, FANOUT * rank + FANOUT + 1) if c < world_size]
+
+
 class StoreRounds:
     kind = "store"
 
@@ -82,8 +101,9 @@ class StoreRounds:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.timeout_s = timeout_s
         self.secret, self.gen = secret or "", gen
+        self.parent, self.children = parent_of(rank), children_of(rank, world_size)
         self._round = 0
-        self._mine = ""  # this rank's record of the current round (put back if changed)
+        self._mine = ""  # this rank's up record of the current round (put back if changed)
 
     def round(self, posts: Mapping[str, Any] = {}, adds: Mapping[str, int] = {},
               read_posts: Sequence[str] = (), read_counts: Sequence[str] = (),
@@ -92,28 +112,49 @@ class StoreRounds:
         """Post ``posts`` (topic -> JSON value), add ``adds`` (counter -> amount), wait for
         every member, then return the posts of ``read_posts`` (topic -> [(poster, value)],
         by poster) and the totals of ``read_counts``. ``shared``: every member reads the
-        same (one result record for all). Raises ForgedRecordError (module docstring)."""
+        same (the up records do not carry what is read). Raises ForgedRecordError (module
+        docstring)."""
         self._round += 1
-        r, store = self._round, self.store
+        r = self._round
         limit = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
-        record = rr.member(self.secret, self.gen, r, what, self.rank, posts, adds,
-                           () if shared else read_posts, () if shared else read_counts)
-        store.set(self._key(f"m/{self.rank}"), record)
-        if store.add(self._key(f"{r}/arrived"), 1) == self.world_size:
-            store.set(self._key(f"{r}/open"), "1")
-        counts.add("messages", 2)
-        counts.add("bytes", len(record))
-        self._mine = record
-        if self.rank == AGGREGATOR:
-            body = self._aggregate(r, what, deadline, limit,
-                                   (read_posts, read_counts) if shared else None)
+        sub = {"posts": {t: [[self.rank, v]] for t, v in posts.items()},
+               "adds": {k: int(v) for k, v in adds.items()},
+               "reads": [] if shared else sorted(set(read_posts)),
+               "counts": [] if shared else sorted(set(read_counts)), "forged": {}}
+        wants = {}  # child -> the topics and counters its subtree reads
+        for c, (body, why) in self._ups(r, what, deadline, limit).items():
+            if body is None:
+                sub["forged"][str(c)] = why
+                wants[c] = ((), ())
+                continue
+            _merge(sub, body)
+            wants[c] = (body["reads"], body["counts"])
+        if shared:
+            wants = {c: (read_posts, read_counts) for c in wants}
+        if self.parent is None:
+            down = {"posts": {t: sorted(ps, key=lambda p: p[0])
+                              for t, ps in sub["posts"].items()},
+                    "counts": sub["adds"], "forged": sub["forged"]}
         else:
-            body = self._result(r, what, deadline, limit, shared)
-        if body["forged"]:
-            raise ForgedRecordError(rr.forged_message(what, r, body["forged"]))
-        return ({t: [tuple(p) for p in body["posts"].get(t, [])] for t in read_posts},
-                {c: int(body["counts"].get(c, 0)) for c in read_counts})
+            self._mine = rr.seal(self.secret, "up", self.gen, r, what, **{"from": self.rank},
+                                 **sub)
+            self.store.set(self._key(r, "u", self.rank), self._mine)
+            counts.add("messages")
+            counts.add("bytes", len(self._mine))
+            down = self._down(r, what, deadline, limit)
+        if self.children:
+            sealed = [rr.seal(self.secret, "down", self.gen, r, what, to=c,
+                              **_part(down, *wants[c])) for c in self.children]
+            self.store.multi_set([self._key(r, "d", c) for c in self.children], sealed)
+            counts.add("messages", len(sealed))
+            counts.add("bytes", sum(len(s) for s in sealed))
+        if self.parent is not None:
+            self._forget([self._key(r, "u", self.rank), self._key(r, "d", self.rank)])
+        if down["forged"]:
+            raise ForgedRecordError(rr.forged_message(what, r, down["forged"]))
+        return ({t: [tuple(p) for p in down["posts"].get(t, [])] for t in read_posts},
+                {c: int(down["counts"].get(c, 0)) for c in read_counts})
 
     # ------------------------------------------------------------ the collectives
     def all_ok(self, ok: bool, timeout_s: Optional[float] = None) -> bool:
@@ -159,111 +200,113 @@ class StoreRounds:
         return None
 
     # ------------------------------------------------------------ the store
-    def _key(self, name: str) -> str:
-        return f"{PREFIX}{name}"
+    def _key(self, r: int, way: str, x: int) -> str:
+        return f"{PREFIX}{r}/{way}/{x}"
 
     def _timeout(self, what: str, limit: float, why: str = "") -> TransportTimeout:
         return TransportTimeout(f"mirror {what}: not every member arrived in {limit:g}s{why}")
 
-    def _aggregate(self, r: int, what: str, deadline: float, limit: float,
-                   shared: Optional[Tuple[Sequence[str], Sequence[str]]]) -> dict:
-        """Rank 0: every member's verified record, summed into each member's signed result
-        (written before {r}/done is set). Returns rank 0's own."""
-        store, opened = self.store, self._key(f"{r}/open")
-        while not _waited(store, [opened], min(SLICE_S, deadline - time.monotonic())):
-            self._heal()
-            got = self._records(r, what)
-            if all(why != rr.STALE for _, why in got.values()):  # each in, or forged
-                self._arrivals_moved(r, what)
-                break
+    def _ups(self, r: int, what: str, deadline: float, limit: float
+             ) -> Dict[int, Tuple[Optional[dict], str]]:
+        """Each child's verified up record of round ``r``; (None, why) for one still forged
+        (or an older round's) GRACE_S after it was first read so."""
+        if not self.children:
+            return {}
+        keys = [self._key(r, "u", c) for c in self.children]
+        while not _waited(self.store, keys, min(SLICE_S, deadline - time.monotonic())):
             if time.monotonic() >= deadline:
-                raise self._timeout(what, limit)
-        members, forged = self._collect(r, what, deadline, limit)
-        out = rr.results(members, forged, self.world_size, shared)
-        names = {x: self._key(f"res/{x}") for x in out}
-        sealed = {x: rr.seal(self.secret, "result", self.gen, r, what, to=x, **body)
-                  for x, body in out.items()}
-        store.multi_set([names[x] for x in out], [sealed[x] for x in out])
-        store.set(self._key(f"{r}/done"), "1")
-        counts.add("messages", 2 + len(out))
-        counts.add("bytes", sum(len(v) for v in sealed.values()))
-        return out["all" if shared is not None else AGGREGATOR]
-
-    def _records(self, r: int, what: str) -> Dict[int, Tuple[Optional[dict], str]]:
-        keys = [self._key(f"m/{x}") for x in range(self.world_size)]
-        raws = self.store.multi_get(keys) if self.store.check(keys) else [
-            self.store.get(k) if self.store.check([k]) else None for k in keys]
-        counts.add("messages", 1 + self.world_size)
-        return {x: rr.check(self.secret, self._mine if x == self.rank else raw, "member",
-                            self.gen, r, what, **{"from": x}) for x, raw in enumerate(raws)}
-
-
-    def _heal(self) -> None:
-        """Put this rank's record back if a forger deleted or changed it (while it waits,
-        every SLICE_S: rank 0 takes it then, before a forged one is due)."""
-        key = self._key(f"m/{self.rank}")
-        raw = self.store.get(key) if self.store.check([key]) else None
-        if raw != self._mine.encode():
-            log.warning("mirror round: this rank's record was %s by someone without the job "
-                        "secret: put back", "deleted" if raw is None else "changed")
-            self.store.set(key, self._mine)
-
-    def _arrivals_moved(self, r: int, what: str) -> None:
-        """Every record of round ``r`` is in (or forged), and {r}/open is not set: logged
-        when the arrival count says fewer than W arrived (a forger moved it; else the last
-        member is between its add and its set)."""
-        n = self.store.add(self._key(f"{r}/arrived"), 0)
-        if n < self.world_size:
-            log.warning("mirror %s (round %d): every member's record is in but the arrival "
-                        "count reads %d of %d: moved by someone without the job secret (the "
-                        "count is ignored)", what, r, n, self.world_size)
-
-    def _collect(self, r: int, what: str, deadline: float, limit: float
-                 ) -> Tuple[Dict[int, dict], Dict[int, str]]:
-        """Every member's record of round ``r``, and the ranks whose record is still forged,
-        missing or of an older round GRACE_S after it should be in (a forged one at once; a
-        missing or older one once the arrival count reads W: its writer wrote this round's
-        before it arrived, so a forger put an older one back or deleted it)."""
-        since, pause = None, POLL_S
-        while True:
-            got = self._records(r, what)
-            bad = {x: why for x, (body, why) in got.items() if body is None}
-            if not bad:
-                return {x: body for x, (body, _) in got.items()}, {}
-            now = time.monotonic()
-            due = any(why != rr.STALE for why in bad.values()) or \
-                self.store.add(self._key(f"{r}/arrived"), 0) >= self.world_size
-            since = (since or now) if due else None
-            if due and now - since >= min(GRACE_S, max(deadline - now, 0)):
-                return ({x: body for x, (body, _) in got.items() if body is not None},
-                        {x: why if why != rr.STALE else "missing, or an older round's record "
-                         "put back after it arrived" for x, why in bad.items()})
-            if now >= deadline:
                 raise self._timeout(what, limit, f" (no record of this round from ranks "
-                                    f"{sorted(bad)})")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
-
-    def _result(self, r: int, what: str, deadline: float, limit: float, shared: bool) -> dict:
-        """This rank's result of round ``r``, once rank 0 has written it (it sets {r}/done
-        after): verified; forged once it has been forged, missing or of an older round for
-        GRACE_S after {r}/done (a forger wrote over it, or set {r}/done early)."""
-        store, to = self.store, "all" if shared else self.rank
-        key = self._key(f"res/{to}")
-        while not _waited(store, [self._key(f"{r}/done")],
-                          min(SLICE_S, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                raise self._timeout(what, limit)
-            self._heal()
+                                    f"{self.children} or below them)")
+        raws = self.store.multi_get(keys)
+        counts.add("messages", len(keys))
+        got = {c: rr.check(self.secret, raw, "up", self.gen, r, what, **{"from": c})
+               for c, raw in zip(self.children, raws)}
         since, pause = time.monotonic(), POLL_S
         while True:
-            raw = store.get(key) if store.check([key]) else None
-            counts.add("messages")
-            body, why = rr.check(self.secret, raw, "result", self.gen, r, what, to=to)
-            if body is not None:
-                return body
-            if time.monotonic() - since >= GRACE_S:
-                why = why if why != rr.STALE else "missing, or an older round's"
-                raise ForgedRecordError(rr.forged_message(what, r, {to: f"its result: {why}"}))
+            bad = [c for c, (body, _) in got.items() if body is None]
+            now = time.monotonic()
+            if not bad or now - since >= min(GRACE_S, max(deadline - now, 0)):
+                return {c: (body, why if why != rr.STALE else "missing, or an older round's "
+                            "record") for c, (body, why) in got.items()}
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
+            for c in bad:
+                raw = self._read(self._key(r, "u", c), pause)
+                got[c] = rr.check(self.secret, raw, "up", self.gen, r, what, **{"from": c})
+
+    def _down(self, r: int, what: str, deadline: float, limit: float) -> dict:
+        """This rank's down record of round ``r``, once its parent has written it:
+        verified; when it stays forged (or an older round's) for GRACE_S, a result that
+        names it (so that this rank's subtree fails the round too)."""
+        key = self._key(r, "d", self.rank)
+        while not _waited(self.store, [key], min(SLICE_S, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                raise self._timeout(what, limit)
+            self._heal(r)
+        since, pause = time.monotonic(), POLL_S
+        raw = self.store.get(key)
+        while True:
+            counts.add("messages")
+            body, why = rr.check(self.secret, raw, "down", self.gen, r, what, to=self.rank)
+            if body is not None:
+                return body
+            if time.monotonic() - since >= min(GRACE_S, max(deadline - time.monotonic(), 0)):
+                why = why if why != rr.STALE else "missing, or an older round's"
+                return {"posts": {}, "counts": {},
+                        "forged": {str(self.rank): f"its result: {why}"}}
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+            self._heal(r)
+            raw = self._read(key, pause)
+
+    def _read(self, key: str, seconds: float) -> Optional[bytes]:
+        """The key's value, or None if it is not there within ``seconds`` (one wait and one
+        get, never a check and then a get: a key deleted in between would hold the get
+        until the store's timeout)."""
+        return self.store.get(key) if _waited(self.store, [key], seconds) else None
+
+    def _heal(self, r: int) -> None:
+        """Put this rank's up record back if a forger deleted or changed it (while it waits
+        for its down record, every SLICE_S: before its parent's GRACE_S is out). One
+        ``compare_set``: it writes the record where the key is missing."""
+        if not self._mine:
+            return
+        key = self._key(r, "u", self.rank)
+        now = self.store.compare_set(key, "", self._mine)
+        if now != self._mine.encode():
+            log.warning("mirror round: this rank's record was changed by someone without "
+                        "the job secret: put back")
+            self.store.set(key, self._mine)
+
+    def _forget(self, keys: Sequence[str]) -> None:
+        """Delete this rank's keys of a round it has finished (every reader has read
+        them). Counted as store operations also where the counting store cannot pass a
+        delete on (``--deadpool-count-work``: torch's Python store has no deleteKey for a
+        PrefixStore over it; there the keys stay, as every round's did before issue 57)."""
+        for key in keys:
+            try:
+                self.store.delete_key(key)
+            except RuntimeError as exc:
+                if "pure virtual" not in str(exc):
+                    raise
+                counts.add("store_ops")
+        self._mine = ""
+
+
+def _merge(into: dict, body: Mapping[str, Any]) -> None:
+    """A child's subtree record into this rank's: posts appended, adds summed, reads and
+    counters united, forged ranks named."""
+    for topic, posted in body.get("posts", {}).items():
+        into["posts"].setdefault(topic, []).extend(posted)
+    for name, amount in body.get("adds", {}).items():
+        into["adds"][name] = into["adds"].get(name, 0) + int(amount)
+    into["reads"] = sorted(set(into["reads"]) | set(body.get("reads", ())))
+    into["counts"] = sorted(set(into["counts"]) | set(body.get("counts", ())))
+    into["forged"].update(body.get("forged", {}))
+
+
+def _part(down: Mapping[str, Any], reads: Sequence[str], counters: Sequence[str]) -> dict:
+    """The part of a down record that a subtree reading ``reads`` and ``counters`` needs."""
+    return {"posts": {t: down["posts"].get(t, []) for t in reads},
+            "counts": {c: down["counts"].get(c, 0) for c in counters},
+            "forged": down["forged"]}
