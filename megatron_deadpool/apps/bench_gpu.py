@@ -290,38 +290,51 @@ def run(out: str, tree: Optional[str], budget_s: float, dry_run: bool,
         for c in result["plan"]:
             print(f"[bench gpu] would run {c['case']} ({c['what']}):\n  {' '.join(c['argv'])}")
         return _write(out, result)
-    deadline = time.monotonic() + budget_s
     with open(log_path or os.path.join(out, "gpu_swap.log"), "a") as log:
-        for i, (c, planned) in enumerate(zip(chosen, result["plan"])):
-            done = [r["wall_s"] for r in result["results"] if r["trainer"] == c.trainer]
-            if rehearse_cut and i == len(chosen) - 1 and result["results"]:
-                walls = [r["wall_s"] for r in result["results"]]
-                deadline = time.monotonic() + REHEARSAL_CUT * sum(walls) / len(walls)
-                need = 0.0
-            else:
-                need = max([MIN_CASE_S] + done)
-            left = deadline - time.monotonic()
-            if left < need:
-                result["skipped"].append({"case": c.name, "why": f"budget: {left:.0f} s left, "
-                                          f"the case needs about {need:.0f} s"})
-                print(f"[bench gpu] {c.name}: skipped ({left:.0f} s of budget left)", flush=True)
-                continue
-            cap = min(case_cap_s, left)
-            print(f"[bench gpu] {c.name}: {c.what} ({left:.0f} s of budget left, "
-                  f"cap {cap:.0f} s)", flush=True)
-            r = run_case(c, planned["argv"], out, cap, log)
-            result["case_seconds"][c.name] = r["wall_s"]
-            if r["timed_out"] and cap < case_cap_s:
-                result["skipped"].append({"case": c.name, "cut": True, "wall_s": r["wall_s"],
-                                          "why": f"cut by the budget after {r['wall_s']} s",
-                                          "completed_iters": r["completed_iters"]})
-                print(f"[bench gpu] {c.name}: cut by the budget after {r['wall_s']} s "
-                      "(skipped, not judged)", flush=True)
-            else:
-                result["results"].append(r)
-                print(f"[bench gpu] {c.name}: ok {r['ok']} in {r['wall_s']} s "
-                      f"(timed out {r['timed_out']})", flush=True)
-            _write(out, result)  # what ran so far survives a cut-off
+        _run_cases(chosen, result, out, budget_s, case_cap_s, log, rehearse_cut)
+    return _write(out, _conclude(result))
+
+
+def _run_cases(chosen: List[Case], result: dict, out: str, budget_s: float,
+               case_cap_s: float, log, rehearse_cut: bool) -> None:
+    """The cases in order under the budget (``run``'s rules); each result, skip or cut goes
+    into ``result``, written after each case."""
+    deadline = time.monotonic() + budget_s
+    for i, (c, planned) in enumerate(zip(chosen, result["plan"])):
+        done = [r["wall_s"] for r in result["results"] if r["trainer"] == c.trainer]
+        if rehearse_cut and i == len(chosen) - 1 and result["results"]:
+            walls = [r["wall_s"] for r in result["results"]]
+            deadline = time.monotonic() + REHEARSAL_CUT * sum(walls) / len(walls)
+            need = 0.0
+        else:
+            need = max([MIN_CASE_S] + done)
+        left = deadline - time.monotonic()
+        if left < need:
+            result["skipped"].append({"case": c.name, "why": f"budget: {left:.0f} s left, "
+                                      f"the case needs about {need:.0f} s"})
+            print(f"[bench gpu] {c.name}: skipped ({left:.0f} s of budget left)", flush=True)
+            continue
+        cap = min(case_cap_s, left)
+        print(f"[bench gpu] {c.name}: {c.what} ({left:.0f} s of budget left, "
+              f"cap {cap:.0f} s)", flush=True)
+        r = run_case(c, planned["argv"], out, cap, log)
+        result["case_seconds"][c.name] = r["wall_s"]
+        if r["timed_out"] and cap < case_cap_s:
+            result["skipped"].append({"case": c.name, "cut": True, "wall_s": r["wall_s"],
+                                      "why": f"cut by the budget after {r['wall_s']} s",
+                                      "completed_iters": r["completed_iters"]})
+            print(f"[bench gpu] {c.name}: cut by the budget after {r['wall_s']} s "
+                  "(skipped, not judged)", flush=True)
+        else:
+            result["results"].append(r)
+            print(f"[bench gpu] {c.name}: ok {r['ok']} in {r['wall_s']} s "
+                  f"(timed out {r['timed_out']})", flush=True)
+        _write(out, result)  # what ran so far survives a cut-off
+
+
+def _conclude(result: dict) -> dict:
+    """The verdicts: ``bitwise`` (every finished kill case of a trainer), ``deterministic``
+    (the failure-free runs agree) and ``kills``; printed with the table."""
     v = verdict(result["results"])
     result["bitwise_by_trainer"] = v
     result["bitwise"] = bool(v) and all(x is True for x in v.values() if x is not None) \
@@ -337,7 +350,7 @@ def run(out: str, tree: Optional[str], budget_s: float, dry_run: bool,
     print(f"[bench gpu] bitwise {result['bitwise']} {v}; deterministic "
           f"{result['deterministic']} {d}; skipped "
           f"{[s.get('case', s.get('trainer')) for s in result['skipped']]}", flush=True)
-    return _write(out, result)
+    return result
 
 
 def _write(out: str, result: dict) -> dict:
