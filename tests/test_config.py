@@ -150,3 +150,13 @@ def test_the_flags_defaults_are_plain_values():
     odd = {k: type(v) for k, v in vars(p.parse_args([])).items()
            if v is not None and type(v) not in (str, int, float, bool)}
     assert odd == {}
+
+
+def test_keeping_unbroken_groups_is_the_default():
+    """A gloo recovery keeps the groups a failure did not break unless
+    ``--deadpool-rebuild-all-groups`` is given (issue 57: no environment switch)."""
+    p = add_deadpool_args(argparse.ArgumentParser())
+    assert not DeadpoolConfig.from_args(p.parse_args([])).rebuild_all_groups
+    assert DeadpoolConfig.from_args(
+        p.parse_args(["--deadpool-rebuild-all-groups"])).rebuild_all_groups
+    assert "--deadpool-rebuild-all-groups" in p.format_help()
