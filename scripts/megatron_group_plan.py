@@ -6,6 +6,7 @@ rank of the lost node are the ones a recovery rebuilds (recovery/repair.py keeps
 group of a survivor). Prints one JSON line:
 
     python scripts/megatron_group_plan.py --world 99968 --tp 8 --pp 16 [--gpus-per-node 4]
+                                          [--lost-node 0]
 
 distinct_groups, members_total, groups_with_a_dead_rank, and the busiest survivor (most
 gloo connections to rebuild: size - 1 per rebuilt group) with its rebuilt groups' sizes and
@@ -24,7 +25,7 @@ from collections import defaultdict
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def plan(world: int, tp: int, pp: int, gpus_per_node: int) -> dict:
+def plan(world: int, tp: int, pp: int, gpus_per_node: int, lost_node: int = 0) -> dict:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -50,7 +51,7 @@ def plan(world: int, tp: int, pp: int, gpus_per_node: int) -> dict:
     names = {}
     for members, desc in calls:
         names.setdefault(tuple(sorted(members)), desc)
-    dead = set(range(gpus_per_node))
+    dead = set(range(lost_node * gpus_per_node, (lost_node + 1) * gpus_per_node))
     rebuilt = [g for g in names if dead & set(g)]
     per = defaultdict(list)
     for g in rebuilt:
@@ -77,11 +78,12 @@ def main() -> int:
     ap.add_argument("--tp", type=int, required=True)
     ap.add_argument("--pp", type=int, required=True)
     ap.add_argument("--gpus-per-node", type=int, default=4)
+    ap.add_argument("--lost-node", type=int, default=0)
     a = ap.parse_args()
     if a.world % (a.tp * a.pp) or a.world % a.gpus_per_node:
         ap.error(f"--world {a.world} must be a multiple of TP x PP ({a.tp * a.pp}) and of "
                  f"--gpus-per-node ({a.gpus_per_node})")
-    print(json.dumps(plan(a.world, a.tp, a.pp, a.gpus_per_node)))
+    print(json.dumps(plan(a.world, a.tp, a.pp, a.gpus_per_node, a.lost_node)))
     return 0
 
 
