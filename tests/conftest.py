@@ -129,3 +129,24 @@ def reference(tmp_path_factory):
         return _REFERENCE[key]
 
     return get
+
+
+def on_every_rank(world: int, fn, join_s: float = 60.0) -> list:
+    """``fn(rank)`` for every rank at once, one thread each; by rank, what each returned or
+    the exception it raised (the store-round tests compare both)."""
+    import threading
+
+    out = [None] * world
+
+    def one(r):
+        try:
+            out[r] = fn(r)
+        except Exception as exc:  # noqa: BLE001 - compared by the tests
+            out[r] = exc
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_s)
+    return out

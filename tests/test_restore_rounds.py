@@ -3,10 +3,10 @@ rank's part of ``choose_restore``'s decision, the same on every inventory, and a
 store operations independent of the world size (issue 39)."""
 
 import random
-import threading
 
 import pytest
 import torch.distributed as dist
+from conftest import on_every_rank
 
 from megatron_deadpool.base.errors import NoCommittedStateError, TransportTimeout
 from megatron_deadpool.mirror.rounds import StoreRounds
@@ -34,19 +34,8 @@ class _Counted:
 def _agree_all(invs, timeout_s=20.0):
     store = dist.HashStore()
     stores = [_Counted(store) for _ in invs]
-    out = [None] * len(invs)
-
-    def one(r):
-        try:
-            out[r] = agree(StoreRounds(stores[r], r, len(invs), timeout_s), r, invs[r])
-        except Exception as exc:  # noqa: BLE001 - compared by the test
-            out[r] = exc
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(invs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    out = on_every_rank(len(invs), lambda r: agree(
+        StoreRounds(stores[r], r, len(invs), timeout_s), r, invs[r]))
     return out, [s.ops for s in stores]
 
 
@@ -130,22 +119,13 @@ def _busiest_per_round(world):
     store = dist.HashStore()
     stores = [_PerKey(store) for _ in range(world)]
     invs = _ring(world, lost=1)
-    out = [None] * world
-
     def one(r):
-        try:
-            rounds = StoreRounds(stores[r], r, world, 60.0, secret="s", gen=2)
-            decision, _ = agree(rounds, r, invs[r])
-            out[r] = (decision.iteration, rounds.all_ok(True),
-                      rounds.gather_from(r, [(r - 1) % world]), rounds._round)
-        except Exception as exc:  # noqa: BLE001 - compared by the test
-            out[r] = exc
+        rounds = StoreRounds(stores[r], r, world, 60.0, secret="s", gen=2)
+        decision, _ = agree(rounds, r, invs[r])
+        return (decision.iteration, rounds.all_ok(True),
+                rounds.gather_from(r, [(r - 1) % world]), rounds._round)
 
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    out = on_every_rank(world, one, join_s=120)
     assert out == [(7, True, {(r - 1) % world: (r - 1) % world}, 5) for r in range(world)]
     return max(s.ops for s in stores) / 5, [s.ops for s in stores]
 
@@ -187,22 +167,13 @@ def test_rounds_run_on_the_generation_store_that_counts_its_operations():
     counted = counting_store(dist.HashStore())  # kept alive, as generation_store keeps it
     store = dist.PrefixStore("gen3/", counted)
     before = counts.snapshot()
-    out = [None, None]
-
     def one(r):
-        try:
-            rounds = StoreRounds(store, r, 2, timeout_s=20)
-            for _ in range(3):
-                assert rounds.all_ok(True) and rounds.gather_from(7 + r, [1 - r]) == {1 - r: 8 - r}
-            inv = Inventory(own=frozenset({4}), copies={1 - r: frozenset({4})})
-            out[r] = agree(rounds, r, inv)[0].iteration
-        except Exception as exc:  # noqa: BLE001 - compared by the test
-            out[r] = exc
+        rounds = StoreRounds(store, r, 2, timeout_s=20)
+        for _ in range(3):
+            assert rounds.all_ok(True) and rounds.gather_from(7 + r, [1 - r]) == {1 - r: 8 - r}
+        inv = Inventory(own=frozenset({4}), copies={1 - r: frozenset({4})})
+        return agree(rounds, r, inv)[0].iteration
 
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    out = on_every_rank(2, one)
     assert out == [4, 4], out
     assert counts.delta(before, counts.snapshot())["store_ops"] > 0

@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+from conftest import on_every_rank
 
 from megatron_deadpool.base.errors import (ForgedRecordError, NoCommittedStateError,
                                            TransportTimeout)
@@ -57,21 +58,8 @@ def _run_all(world, fn, hook=None):
     store; the results or exceptions, by rank."""
     raw = dist.HashStore()
     raw.set_timeout(timedelta(seconds=10))  # a read of a key never written: no long hang
-    out = [None] * world
-
-    def one(r):
-        try:
-            out[r] = fn(StoreRounds(Hooked(raw, hook), r, world, 3.0, secret=SECRET, gen=GEN), r)
-
-        except Exception as exc:  # noqa: BLE001 - compared by the test
-            out[r] = exc
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
+    return on_every_rank(world, lambda r: fn(
+        StoreRounds(Hooked(raw, hook), r, world, 3.0, secret=SECRET, gen=GEN), r))
 
 
 def _ring(world, lost):
