@@ -66,6 +66,8 @@ elapsed() { echo $(( $(date +%s) - t0 )); }
 say() { echo "[gpu_swap_check +$(elapsed)s] $*" | tee -a "$log"; }
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 [ -n "$commit" ] || { [ -n "$carry" ] && [ -f "$carry/COMMIT" ] && commit=$(cat "$carry/COMMIT"); }
+# where git is there (a rehearsal, before git leaves PATH): this checkout's commit
+[ -n "$commit" ] || commit=$(git -C "$here" rev-parse HEAD 2>/dev/null || true)
 
 if [ "$counts" = 1 ]; then  # issue 51: the repair's counts only (torch and this checkout: nothing carried)
   say "gpu_repair_counts.py --world-sizes 8,16,32 --out $out"

@@ -128,6 +128,7 @@ def test_the_cpu_rehearsal_of_the_one_call(tmp_path):
                                                    "gpu_swap_cases.tar.gz"]
     r = json.loads((out / "gpu_swap" / "gpu_swap.json").read_text())
     assert r["smoke"]["ok"] and r["machine"]["tools"]["git"] is False
+    assert r["environment"]["commit"], "the commit is recorded before git leaves PATH"
     assert r["deterministic"] is True and r["bitwise"] is True, json.dumps(r["results"])[-3000:]
     assert r["kills"] == {"ref-kill-fwdbwd": True}
     assert [s["case"] for s in r["skipped"] if s.get("cut")] == ["ref-kill-optimizer"]
