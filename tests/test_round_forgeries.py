@@ -37,15 +37,20 @@ def _short_waits(monkeypatch):
 
 class Hooked:
     """One rank's view of the store: after each of its writes, ``hook(raw, op, key,
-    value)`` runs on the raw store (a forger acting at that moment)."""
+    value)`` runs on the raw store (a forger acting at that moment); ``swap(op, key,
+    value)``, before a write, returns the value the store gets instead (a forger that wrote
+    over it before any reader could see the genuine one), or None to leave it."""
 
-    def __init__(self, raw, hook=None):
-        self.raw, self.hook = raw, hook
+    def __init__(self, raw, hook=None, swap=None):
+        self.raw, self.hook, self.swap = raw, hook, swap
 
     def __getattr__(self, name):
         op = getattr(self.raw, name)
 
         def call(*args):
+            if self.swap is not None and name == "set":
+                forged = self.swap(name, args[0], args[1])
+                args = args if forged is None else (args[0], forged)
             out = op(*args)
             if self.hook is not None and name in ("set", "add", "multi_set"):
                 self.hook(self.raw, name, args[0], args[1])
@@ -53,13 +58,13 @@ class Hooked:
         return call
 
 
-def _run_all(world, fn, hook=None):
+def _run_all(world, fn, hook=None, swap=None):
     """``fn(rounds, rank)`` on every rank at once (threads), each on its own view of one
     store; the results or exceptions, by rank."""
     raw = dist.HashStore()
     raw.set_timeout(timedelta(seconds=10))  # a read of a key never written: no long hang
     return on_every_rank(world, lambda r: fn(
-        StoreRounds(Hooked(raw, hook), r, world, 3.0, secret=SECRET, gen=GEN), r))
+        StoreRounds(Hooked(raw, hook, swap), r, world, 3.0, secret=SECRET, gen=GEN), r))
 
 
 def _ring(world, lost):
@@ -138,19 +143,15 @@ def test_a_forged_result_never_turns_a_no_into_a_commit():
     assert [g[1] for g in got] == [True] * len(votes), got
 
 
-def _overwrite_sizes(raw, op, key, value, done):
-    """Right after a rank posts its slot size, a forger writes over it, once: 666 bytes."""
-    if op != "set" or key in done:
-        return
+def _overwrite_sizes(op, key, value, done):
+    """As a rank posts its slot size, a forger writes over it, once: 666 bytes (a swap:
+    no reader sees the genuine record before the forged one)."""
+    if op != "set" or key in done or "/u/" not in key:
+        return None
     done.add(key)
-    if "/p/r" in key:  # the unsigned rounds: the post itself
-        x = json.loads(value)[0]
-        raw.set(key, json.dumps([x, 666]))
-    elif "/u/" in key:  # the signed rounds' record (a member's, with its subtree's)
-
-        body = json.loads(value)["body"]
-        body["posts"] = {t: 666 for t in body["posts"]}
-        raw.set(key, auth.seal("not-the-job-secret", body))
+    body = json.loads(value)["body"]  # the signed rounds' record (a member's, its subtree's)
+    body["posts"] = {t: 666 for t in body["posts"]}
+    return auth.seal("not-the-job-secret", body)
 
 
 def _no_heal_before_the_grace(monkeypatch, heals):
@@ -169,7 +170,7 @@ def test_a_slot_size_written_over_is_never_taken(heals, caplog, monkeypatch):
     world = 3
     done = set()
     got = _run_all(world, lambda rounds, r: rounds.gather_from(1000 + r, [(r - 1) % world]),
-                   lambda *a: _overwrite_sizes(*a, done=done))
+                   swap=lambda *a: _overwrite_sizes(*a, done=done))
 
     if heals:
         assert got == [{(r - 1) % world: 1000 + (r - 1) % world} for r in range(world)], got
@@ -188,12 +189,14 @@ def test_a_commit_vote_written_over_is_put_back_or_a_no_and_the_job_goes_on(
     _no_heal_before_the_grace(monkeypatch, heals)
     state = {"on": True}
 
-    def once(raw, op, key, value):
+    def once(op, key, value):  # a swap: no reader sees the genuine vote before the junk
         if state["on"] and op == "set" and key == f"{PREFIX}1/u/1":
-            raw.set(key, b"\xffforged")
             state["on"] = False
+            return b"\xffforged"
+        return None
 
-    got = _run_all(3, lambda rounds, r: (rounds.all_ok(True), rounds.all_ok(True)), once)
+    got = _run_all(3, lambda rounds, r: (rounds.all_ok(True), rounds.all_ok(True)),
+                   swap=once)
     if heals:
         assert got == [(True, True)] * 3, got
         assert "record was changed by someone without the job secret: put back" in caplog.text
