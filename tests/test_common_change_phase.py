@@ -61,6 +61,7 @@ def copy(tmp_path_factory) -> Path:
     pkg = root / "megatron_deadpool"
     shutil.copytree(REPO / "megatron_deadpool", pkg,
                     ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "docs" / "data", root / "docs" / "data")  # deadpool sim's inputs
     for rel, old, new in CHANGE:
         f = pkg / rel
         text = f.read_text()

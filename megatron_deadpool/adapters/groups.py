@@ -19,6 +19,15 @@ def initialize(**kwargs) -> None:
     ps.initialize_model_parallel(**kwargs)
 
 
+def version() -> str:
+    """megatron-core's version ("unknown" for a tree that does not say)."""
+    try:
+        from megatron.core import __version__
+    except ImportError:
+        return "unknown"
+    return str(__version__)
+
+
 def destroy() -> None:
     """Forget megatron's groups (its globals); a tree without megatron-core has none."""
     try:

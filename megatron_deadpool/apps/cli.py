@@ -314,15 +314,18 @@ def _run_sim(args) -> int:
         kw["model_params"] = float(planning.total_params(
             json.loads(_preset_path(args.preset).read_text())["model"]))
     cfg = sim.SimConfig(**kw)
-    measured = args.measured or str(Path(__file__).resolve().parents[2] / "docs" / "data"
-                                    / "bench_recovery.json")
+    measured = args.measured or str(Path(__file__).resolve().parents[2] / "docs" / "data" / (
+        "bench_recovery.json" if args.law == "fit" or args.peers else
+        "bench_recovery_counts_57.json"))
+    law = args.law or sim.default_law(measured)
     if args.peers:
         from . import sim_peers
 
         result = sim_peers.project(cfg, measured, sim_peers.load_pieces(args.peers))
         print("\n".join(sim_peers.format_table(result)))
     else:
-        result = sim.simulate(cfg, measured, law=args.law, units=args.units)
+        result = sim.simulate(cfg, measured, law=law, units=args.units,
+                              log=lambda m: print(m, file=sys.stderr))
         print("\n".join(sim_plot.format_table(result)))
     for w in ([] if args.peers else sim_plot.warnings(result)):
         print(w, file=sys.stderr)

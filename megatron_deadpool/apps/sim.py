@@ -26,7 +26,7 @@ LLAMA3_GPU_MTBF_H = 16384 * 54 * 24 / 419
 SHARD_BYTES_PER_PARAM = 12   # fp32 main params + Adam exp_avg + exp_avg_sq (distributed opt.)
 MODEL_BYTES_PER_PARAM = 2    # bf16 model params (per TP x PP rank, not sharded over DP)
 TOLERANCE = 0.25
-LAWS = ("auto", "counts", "fit")
+LAWS = ("scale", "auto", "counts", "fit")
 
 
 class SimError(ConfigError):
@@ -244,24 +244,85 @@ def spares(cfg: SimConfig) -> Dict:
             "given_spare_nodes": cfg.spare_nodes, "per_scale": per}
 
 
+def default_law(measured_path) -> str:
+    """``deadpool sim``'s law when none is given: "scale" where the measured runs carry
+    counts, else "auto" (each phase's time fitted)."""
+    from . import sim_counts
+
+    try:
+        return "scale" if sim_counts.has_counts(load_measured(measured_path)["runs"]) \
+            else "auto"
+    except Exception:  # noqa: BLE001 - simulate() names what is wrong with the file
+        return "auto"
+
+
 def simulate(cfg: SimConfig, measured_path, law: str = "auto",
-             units: Optional[str] = None) -> Dict:
-    """The whole model: the JSON ``deadpool sim --json`` writes."""
+             units: Optional[str] = None, log=print) -> Dict:
+    """The whole model: the JSON ``deadpool sim --json`` writes. ``law``: "scale" (the
+    default of ``deadpool sim``: sim_scale.py), else phase_laws' choice."""
     from . import sim_counts
 
     measured = load_measured(measured_path, units)
+    if law == "scale":
+        return _simulate_at_scale(cfg, measured, measured_path, log)
     laws = phase_laws(measured, cfg, law)
     by_counts = isinstance(next(iter(laws.values())), sim_counts.CountLaw)
     at = {str(g): strategies_at(cfg, laws, g) for g in cfg.gpus}
-
-    def shape(key):
-        return {s: {g: round(v[key][s], 6) for g, v in at.items()} for s in STRATEGIES}
-
     law_json = {ph: law.to_json() for ph, law in laws.items()}
+    _bytes_term(law_json, measured)
+    return {
+        **_common(cfg, at, law_json, measured, measured_path),
+        "law": "counts" if by_counts else "fit",
+        "unit_costs": ("timed one by one (deadpool bench units)" if measured["unit_s"]
+                       else "fitted to the phase times") if by_counts else None,
+        "validation": sim_counts.validate(measured["runs"], TOLERANCE, measured["unit_s"])
+        if by_counts
+        else validate(measured["runs"], cfg),
+    }
+
+
+def _simulate_at_scale(cfg: SimConfig, measured: Dict, measured_path, log) -> Dict:
+    """The law at scale (sim_scale.py): the plans of cfg's layout at each GPU count, the
+    count law fitted up to sim_scale.FIT_MAX_W, the unit costs at scale."""
+    from . import sim_counts, sim_scale
+
+    runs = measured["runs"]
+    if not sim_counts.has_counts(runs):
+        raise SimError(f"{measured_path}: the law at scale needs runs measured with `deadpool "
+                       "bench recovery --counts` (or pass --law fit)")
+    unit_list = sim_scale.units()
+    plans = sim_scale.plans_for(cfg.gpus, cfg.tp, cfg.pp, cfg.gpus_per_node, log=log)
+    laws = sim_scale.phase_laws(runs, plans, unit_list)
+    at = {str(g): strategies_at(cfg, laws, g) for g in cfg.gpus}
+    law_json = {ph: law.to_json() for ph, law in laws.items()}
+    _bytes_term(law_json, measured)
+    return {
+        **_common(cfg, at, law_json, measured, measured_path),
+        "law": "scale",
+        "unit_costs": "gloo: fitted to the phase times of the runs up to W = "
+                      f"{sim_scale.FIT_MAX_W}; at scale: units_at_scale",
+        "units_at_scale": [dataclasses.asdict(u) for u in unit_list],
+        "plans": {str(g): {"megatron_core": p.get("megatron_core"),
+                           "busiest_survivor_groups": p["busiest_survivor"]["groups"],
+                           "rebuilt_members_total": p["rebuilt_members_total"],
+                           "groups_with_a_dead_rank": p["groups_with_a_dead_rank"]}
+                  for g, p in plans.items()},
+        "validation": sim_counts.validate(sim_scale.fit_runs(runs), TOLERANCE),
+        "validation_outside_fit": sim_scale.outside_fit(runs, within=TOLERANCE),
+    }
+
+
+def _bytes_term(law_json: Dict, measured: Dict) -> None:
     law_json["restore_state"]["bytes_term"] = (
         "+ shard_bytes_per_rank / link bandwidth (latency part fitted"
         + (" after removing bytes / measured_link_gbps)" if any(
             r["shard_bytes"] for r in measured["runs"]) else "; no bytes in the measured file)"))
+
+
+def _common(cfg: SimConfig, at: Dict, law_json: Dict, measured: Dict, measured_path) -> Dict:
+    def shape(key):
+        return {s: {g: round(v[key][s], 6) for g, v in at.items()} for s in STRATEGIES}
+
     return {
         "assumptions": cfg.assumptions(), "scaling_law": law_json,
         "goodput": shape("goodput"), "lost_per_failure_s": shape("lost"),
@@ -273,12 +334,6 @@ def simulate(cfg: SimConfig, measured_path, law: str = "auto",
                                                   v["hotswap_breakdown_s"].items()}}
                       for g, v in at.items()},
         "spares": spares(cfg),
-        "law": "counts" if by_counts else "fit",
-        "unit_costs": ("timed one by one (deadpool bench units)" if measured["unit_s"]
-                       else "fitted to the phase times") if by_counts else None,
-        "validation": sim_counts.validate(measured["runs"], TOLERANCE, measured["unit_s"])
-        if by_counts
-        else validate(measured["runs"], cfg),
         "validation_method": "leave-one-out (each measured W predicted from a fit on the "
                              "other world sizes); in_sample_* fields: fit on all",
         "measured_file": str(measured_path), "measured_placeholder": measured["placeholder"],

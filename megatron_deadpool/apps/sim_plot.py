@@ -38,6 +38,8 @@ def format_table(result: Dict) -> List[str]:
             lines.append(f"  {ph}: {law['constant_s']:.4f} s + " + " + ".join(
                 f"{k} {c['form']} x {law['unit_s'][k]:.3g} s"
                 for k, c in law["counts"].items()))
+    if result.get("law") == "scale":
+        lines += _scale_lines(result)
     lines.append("validation (leave-one-out, predicted vs measured total):")
     for v in result["validation"]:
         lines.append(f"  W={v['world_size']:<4} {v['predicted_total_s']:.3f} s vs "
@@ -47,10 +49,33 @@ def format_table(result: Dict) -> List[str]:
     return lines
 
 
+def _scale_lines(result: Dict) -> List[str]:
+    """The law at scale: each phase's terms at the largest GPU count, megatron-core's groups
+    the busiest survivor rebuilds there, every unit cost with its status and source."""
+    top = str(max(int(g) for g in result["plans"]))
+    plan = result["plans"][top]
+    lines = [f"at {top} GPUs (megatron-core {plan['megatron_core']}'s plan): the busiest "
+             "survivor rebuilds " + ", ".join(f"{g['megatron']} ({g['size']} ranks)"
+                                              for g in plan["busiest_survivor_groups"])
+             + f"; {plan['rebuilt_members_total']} members in the "
+             f"{plan['groups_with_a_dead_rank']} groups that held a lost rank"]
+    for ph, law in result["scaling_law"].items():
+        terms = law["terms_at"][top]
+        lines.append(f"  {ph}: " + " + ".join(f"{k} {v:.3g} s" for k, v in terms.items()))
+    lines.append("unit costs at scale (every assumption; docs/simulator.md):")
+    for u in result["units_at_scale"]:
+        lines.append(f"  {u['name']} = {u['value']:.4g} {u['unit']} [{u['status']}]: "
+                     f"{u['source']}")
+    return lines
+
+
 def warnings(result: Dict) -> List[str]:
     out = [f"deadpool sim: warning: W={v['world_size']} prediction is off by "
            f"{v['rel_error']:+.1%} (outside 25%)" for v in result["validation"]
            if not v["within_25pct"]]
+    out += [f"deadpool sim: note: W={v['world_size']} (outside the fit, oversubscribed "
+            f"{v['oversubscription']:g}x) is predicted {v['rel_error']:+.1%} off"
+            for v in result.get("validation_outside_fit", []) if not v["within_25pct"]]
     if result.get("measured_phases_missing"):
         out.append(f"deadpool sim: warning: {result['measured_file']} has no "
                    f"{', '.join(result['measured_phases_missing'])} phase (measured before it "
@@ -98,8 +123,9 @@ def plot(cfg: sim.SimConfig, measured_path, path: str) -> str:
                f"{cfg.link_gbps:g} Gb/s per GPU;\nmirror overhead {cfg.mirror_overhead:g}, "
                f"checkpoint write {cfg.checkpoint_write_s:g} s {ckpt}, restart "
                f"{cfg.restart_cost_s:g} s, in-process restart {cfg.inprocess_restart_s:g} s "
-               f"+ reload {cfg.checkpoint_load_s:g} s;\nhot swap phases: scaling law fitted "
-               f"to the CPU-measured recovery phases, extrapolated (docs/simulator.md)")
+               f"+ reload {cfg.checkpoint_load_s:g} s;\nhot swap phases: the count law or the fit "
+               f"on the CPU-measured recovery phases, extrapolated (not the law at scale "
+               f"of the table, which needs a plan per GPU count; docs/simulator.md)")
     fig.text(0.01, 0.01, caption, fontsize=7, va="bottom")
     fig.subplots_adjust(bottom=0.24)
     ax.set_title("deadpool sim: goodput against scale" + (
@@ -142,11 +168,16 @@ def add_arguments(sp) -> None:
     for flag, default, what in flt:
         sp.add_argument(flag, type=float, default=default, help=f"{what} (default {default})")
     sp.add_argument("--measured", default=None, metavar="R.json",
-                    help="bench recovery --json output (default docs/data/bench_recovery.json)")
-    sp.add_argument("--law", choices=sim.LAWS, default="auto",
-                    help="each recovery phase against W: 'counts', the work a survivor does "
-                    "(bench recovery --counts) x unit costs; 'fit', the phase time fitted "
-                    "directly; 'auto': counts when the file has them (default)")
+                    help="bench recovery --json output (default: docs/data/"
+                    "bench_recovery_counts_57.json with --law scale, counts or auto; "
+                    "docs/data/bench_recovery.json with --law fit)")
+    sp.add_argument("--law", choices=sim.LAWS, default=None,
+                    help="each recovery phase against W: 'scale' (the default where the "
+                    "measured runs have counts, else 'auto'), megatron-core's "
+                    "group plan at each W and the count law, x unit costs at scale, every one "
+                    "listed with its source (apps/sim_scale.py); 'counts', the work a survivor "
+                    "does (bench recovery --counts) x unit costs, extrapolated; 'fit', the "
+                    "phase time fitted directly; 'auto': counts when the file has them")
     sp.add_argument("--units", default=None, metavar="U.json",
                     help="unit costs timed one by one (deadpool bench units --json); default: "
                     "those the measured file carries, else fitted to its phase times")

@@ -1,0 +1,256 @@
+"""``deadpool sim``'s default law at scale (issue 57): what the busiest survivor does in a
+recovery at W GPUs, from the code's own plan where one exists, times what one unit of it
+costs, each unit either measured here or assumed from a named public source (``UNITS``, the
+one list; the table and docs/simulator.md are derived from it).
+
+    detect, abort, first_step    the count law (sim_counts.py: gloo unit costs fitted to the
+                                 measured phases) with the busiest survivor's counts as
+                                 measured (BOUNDED: the most at any W of the fit);
+                                 abort + one NCCL abort of the survivor's communicators
+    rendezvous                   the count law + the store server serving every survivor's
+                                 operations of the phase, one after another
+    rebuild_groups               its constant + one NCCL communicator built per group the
+                                 busiest survivor rebuilds: megatron-core's groups that held a
+                                 rank of the lost node (apps/group_plan.py, computed for the
+                                 layout at W, never extrapolated), one after another + the
+                                 store server serving their members' operations
+    restore_state                the count law + the store server serving every rank's round
+                                 operations (the busiest survivor's count for every rank: an
+                                 upper bound) + the shard's bytes over the link (sim.py); the
+                                 rounds' tree adds 2 log_4 W store hops a round in a row
+                                 (about 10 ms at 100,000 GPUs: left out)
+
+BOUNDED: outside megatron-core's groups (the plan), the code bounds what a survivor does in a
+recovery by a constant: one store operation at the rendezvous, at most 2 FANOUT + 6 store
+operations a round in the mirror's rounds (mirror/rounds.py), the in-flight transfers to its
+buddies at the abort. So the counts are the most measured at any W of the fit, not a fitted
+law extrapolated (a fit through 0, 0, 2 in-flight messages at W = 8, 16, 32 grows as W).
+
+The store server term is what the count law alone misses: it times a store operation as one
+rank sees it on an idle server, but at W ranks one server does every rank's operations.
+Pure but for reading the plans and the store rate (and computing a missing plan).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ..base.errors import DeadpoolError
+from ..base.vocabulary import PHASE_ORDER
+from . import group_plan, sim_counts
+
+DATA = Path(__file__).resolve().parents[2] / "docs" / "data"
+PLANS_FILE = DATA / "megatron_group_plans.json"
+STORE_RATE_FILE = DATA / "store_rate.json"
+FIT_MAX_W = 32   # the count law is fitted and validated on the runs up to this W
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str
+    value: float
+    unit: str
+    status: str    # "measured here" or "assumed"
+    source: str
+
+
+# (GPUs, seconds): NeMo-RL's NCCL communicator shrink, as issue 57 cites it.
+NCCL_INIT_POINTS = ((32, 1.4), (1024, 2.0))
+
+
+def _log_law(points=NCCL_INIT_POINTS):
+    (n0, t0), (n1, t1) = points
+    b = (t1 - t0) / (math.log2(n1) - math.log2(n0))
+    return t0 - b * math.log2(n0), b
+
+
+def units(store_rate: Optional[Mapping] = None) -> List[Unit]:
+    """The unit costs at scale, each with its status and source: the one list."""
+    a, b = _log_law()
+    rate = store_rate or load_store_rate()
+    return [
+        Unit("nccl_comm_init_a_s", a, "s", "assumed",
+             f"one NCCL communicator of n ranks takes a + b log2(n) s, through "
+             f"{NCCL_INIT_POINTS[0][1]} s at {NCCL_INIT_POINTS[0][0]} GPUs and "
+             f"{NCCL_INIT_POINTS[1][1]} s at {NCCL_INIT_POINTS[1][0]} GPUs (NeMo-RL's NCCL "
+             "communicator shrink, as cited in issue 57). Not measured here beyond 1 GPU. "
+             "Caveat: NVIDIA/nccl pull request 1789 (Meta) reports O(n^2) loops in NCCL's "
+             "init costing dozens of seconds at 100K ranks before its fix"),
+        Unit("nccl_comm_init_b_s", b, "s per doubling of n", "assumed",
+             "the same two points as nccl_comm_init_a_s"),
+        Unit("nccl_abort_s", 1.0, "s", "assumed",
+             "ncclCommAbort of every communicator a survivor holds, from a thread pool "
+             "(NVRx inprocess' design): no public figure found; the H200 check (issue 56) "
+             "aborted communicators but did not time the abort"),
+        Unit("store_ops_per_group_member", 2.0, "operations", "assumed",
+             "torch's NCCL group creation: the group's first rank sets the unique id, every "
+             "member reads it and takes part in the creation's store barrier"),
+        Unit("store_server_op_s", rate["op_s"], "s", "measured here",
+             f"one TCPStore server (torch {rate.get('torch')}, {rate.get('backend')} "
+             f"backend) served {rate['ops_per_s']:.0f} operations/s, the best of "
+             f"{rate.get('runs', 1)} runs of `python -m megatron_deadpool.apps.store_rate` on "
+             f"a {rate.get('cpu_cores')}-core machine ({rate.get('date', 'date not recorded')})"
+             "; a datacenter host serves more"),
+    ]
+
+
+def load_store_rate(path: Path = STORE_RATE_FILE) -> Dict:
+    try:
+        data = json.loads(Path(path).read_text())
+        best = max(data["runs"], key=lambda r: r["ops_per_s"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise DeadpoolError(f"{path}: no store rate ({exc!r}); measure one with `python -m "
+                            f"megatron_deadpool.apps.store_rate --json F`") from None
+    return {**best, "op_s": 1.0 / best["ops_per_s"], "runs": len(data["runs"]),
+            "date": data.get("date")}
+
+
+# ---------------------------------------------------------------------- the plans
+def _cache_file() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "megatron-deadpool" / "group_plans.json"
+
+
+def _read_plans(path: Path) -> Dict[str, Dict]:
+    try:
+        return json.loads(path.read_text()).get("plans", {})
+    except (OSError, ValueError):
+        return {}
+
+
+def plans_for(gpus: Sequence[int], tp: int, pp: int, gpus_per_node: int,
+              files: Sequence[Path] = (PLANS_FILE,), log=print) -> Dict[int, Dict]:
+    """The plan of each GPU count: from the committed plans or this user's cache, else
+    computed (a process of its own, about 12 s at 100,000 GPUs) and cached."""
+    known: Dict[str, Dict] = {}
+    cache = _cache_file()
+    for f in list(files) + [cache]:
+        known.update(_read_plans(Path(f)))
+    out = {}
+    for g in gpus:
+        k = group_plan.key(g, tp, pp, gpus_per_node)
+        if k not in known:
+            log(f"[deadpool sim] megatron-core's group plan for {k}: computing it "
+                f"(initialize_model_parallel on the fake backend) ...")
+            t0 = time.monotonic()
+            proc = subprocess.run(
+                [sys.executable, "-m", "megatron_deadpool.apps.group_plan", "--world", str(g),
+                 "--tp", str(tp), "--pp", str(pp), "--gpus-per-node", str(gpus_per_node)],
+                capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise DeadpoolError(f"the group plan for {k} failed (is megatron-core "
+                                    f"installed? `--law counts` needs none): "
+                                    f"{proc.stderr.strip().splitlines()[-1:]}")
+            known[k] = json.loads(proc.stdout.strip().splitlines()[-1])
+            log(f"[deadpool sim] {k}: done in {time.monotonic() - t0:.1f} s, cached in {cache}")
+            _write_cache(cache, k, known[k])
+        out[g] = known[k]
+    return out
+
+
+def _write_cache(cache: Path, k: str, plan: Dict) -> None:
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        data = {"plans": _read_plans(cache)}
+        data["plans"][k] = plan
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(cache)
+    except OSError:
+        pass  # no cache: the next run computes it again
+
+
+# ---------------------------------------------------------------------- the law
+def nccl_init_s(n: int, u: Mapping[str, float]) -> float:
+    return u["nccl_comm_init_a_s"] + u["nccl_comm_init_b_s"] * math.log2(max(n, 2))
+
+
+@dataclass(frozen=True)
+class ScaleLaw:
+    """One phase's law at scale: ``__call__(W)`` like scaling.Law; ``terms(W)`` its parts."""
+
+    phase: str
+    count: sim_counts.CountLaw
+    plans: Mapping[int, Mapping]
+    unit: Mapping[str, float]
+    bounded: Tuple[Tuple[str, float], ...] = ()
+
+    form = "plan x unit costs at scale"
+
+    def counted(self) -> Dict[str, float]:
+        """The busiest survivor's counts of this phase: the most measured at any W of the
+        fit, which the code bounds (BOUNDED), never extrapolated."""
+        return dict(self.bounded)
+
+    def terms(self, w: int) -> Dict[str, float]:
+        u, c = self.unit, self.count
+        counted = self.counted()
+        server = u["store_server_op_s"] * w
+        if self.phase == "rebuild_groups":
+            plan = self.plans[w]
+            groups = plan["busiest_survivor"]["groups"]
+            return {"constant": c.units.constants_s[self.phase],
+                    **{f"nccl_init {g['megatron']} ({g['size']})": nccl_init_s(g["size"], u)
+                       for g in groups},
+                    "store_server (members of the rebuilt groups)": u["store_server_op_s"]
+                    * plan["rebuilt_members_total"] * u["store_ops_per_group_member"]}
+        out = {"count_law": c.units.phase_s(self.phase, counted)}
+        if self.phase == "abort":
+            out["nccl_abort"] = u["nccl_abort_s"]
+        if self.phase in ("rendezvous", "restore_state"):
+            out["store_server (every rank's operations)"] = server * counted.get("store_ops", 0)
+        return out
+
+    def __call__(self, w: float) -> float:
+        return sum(self.terms(int(w)).values())
+
+    def to_json(self) -> Dict:
+        top = max(self.plans)
+        return {"form": self.form, "count_law": self.count.to_json(),
+                "terms_at": {str(w): {k: round(v, 4) for k, v in self.terms(w).items()}
+                             for w in sorted(self.plans)}, "largest_w": top}
+
+
+def fit_runs(runs: Sequence[Mapping], fit_max_w: int = FIT_MAX_W) -> List[Mapping]:
+    fit = [r for r in runs if r["world_size"] <= fit_max_w]
+    if len({r["world_size"] for r in fit}) < 2:
+        raise DeadpoolError(f"the law at scale fits the runs up to W = {fit_max_w}: need "
+                            f">= 2 world sizes there, got {sorted({r['world_size'] for r in runs})}")
+    return fit
+
+
+def phase_laws(runs: Sequence[Mapping], plans: Mapping[int, Mapping],
+               unit_list: Sequence[Unit], fit_max_w: int = FIT_MAX_W) -> Dict[str, ScaleLaw]:
+    fit = fit_runs(runs, fit_max_w)
+    counts = sim_counts.phase_laws(fit)  # gloo units fitted
+    u = {x.name: x.value for x in unit_list}
+    return {ph: ScaleLaw(ph, counts[ph], plans, u, tuple(sorted(
+        (k, max(float(r["counts"].get(ph, {}).get(k, 0)) for r in fit))
+        for k in {k for r in fit for k in r["counts"].get(ph, {})}))) for ph in PHASE_ORDER}
+
+
+def outside_fit(runs: Sequence[Mapping], fit_max_w: int = FIT_MAX_W,
+                within: float = 0.25) -> List[Dict]:
+    """The measured runs above the fit window, each predicted from the fit (what the law
+    says of them, not part of its validation)."""
+    units_fit = sim_counts.fit_units(fit_runs(runs, fit_max_w))
+    out = []
+    for w in sorted({r["world_size"] for r in runs if r["world_size"] > fit_max_w}):
+        mine = [r for r in runs if r["world_size"] == w]
+        k = mine[0].get("oversub", 1.0)
+        measured = sum(sum(r["phases_s"].values()) for r in mine) / len(mine)
+        pred = k * sum(units_fit.phase_s(ph, mine[0]["counts"].get(ph, {}))
+                       for ph in PHASE_ORDER)
+        err = (pred - measured) / measured if measured > 0 else float("inf")
+        out.append({"world_size": w, "oversubscription": round(k, 3),
+                    "measured_total_s": round(measured, 4), "predicted_total_s": round(pred, 4),
+                    "rel_error": round(err, 4), "within_25pct": abs(err) <= within})
+    return out

@@ -1,0 +1,118 @@
+"""``deadpool sim``'s default law at scale (issue 57, apps/sim_scale.py): megatron-core's
+group plan computed for the layout at each GPU count, the count law fitted to the gloo
+runs up to W = 32, and unit costs at scale, every one listed with its status and source."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_deadpool.apps import sim, sim_measured, sim_scale
+from megatron_deadpool.apps.cli import main
+
+REPO = sim_scale.DATA.parents[1]
+MEASURED = sim_scale.DATA / "bench_recovery_counts_57.json"
+
+
+def test_the_default_sim_projects_from_the_plan_with_every_assumption_listed(tmp_path, capsys):
+    assert main(["sim", "--json", str(tmp_path / "s.json")]) == 0
+    result = json.loads((tmp_path / "s.json").read_text())
+    assert result["law"] == "scale" and result["measured_file"].endswith(MEASURED.name)
+    assert set(result["lost_per_failure_s"]["hotswap"]) == {"512", "4096", "100000"}
+    assert [v["world_size"] for v in result["validation"]] == [8, 16, 32]
+    assert all(v["within_25pct"] and v["method"] == "leave-one-out"
+               for v in result["validation"]), result["validation"]
+    assert [v["world_size"] for v in result["validation_outside_fit"]] == [64]
+    for u in result["units_at_scale"]:
+        assert u["status"] in ("measured here", "assumed") and len(u["source"]) > 10, u
+    top = result["scaling_law"]["rebuild_groups"]["terms_at"]["100000"]
+    assert top["nccl_init INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP (100000)"] > 0
+    groups = result["plans"]["100000"]["busiest_survivor_groups"]
+    assert [g["size"] for g in groups] == [3125, 12500, 100000]
+    lost = result["lost_per_failure_s"]["hotswap"]["100000"]
+    assert lost == pytest.approx(sum(result["per_scale"]["100000"]["hotswap_breakdown_s"]
+                                     .values()), abs=1e-3)
+    printed = capsys.readouterr().out
+    assert "[assumed]" in printed and "[measured here]" in printed
+    assert "INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP (100000 ranks)" in printed
+
+
+def _laws(op_s=None):
+    units = sim_scale.units()
+    if op_s is not None:
+        units = [sim_scale.Unit(u.name, op_s, u.unit, u.status, u.source)
+                 if u.name == "store_server_op_s" else u for u in units]
+    plans = sim_scale.plans_for((512, 4096, 100000), 4, 8, 4, log=None)
+    return sim_scale.phase_laws(sim_measured.load_measured(MEASURED)["runs"], plans, units)
+
+
+def test_the_store_server_serves_every_ranks_operations_one_after_another():
+    """The store term grows as W and as the server's time per operation; the count law's
+    own terms do not grow (their counts are bounded, never extrapolated)."""
+    laws = _laws()
+    key = "store_server (every rank's operations)"
+    for ph in ("rendezvous", "restore_state"):
+        small, big = laws[ph].terms(4096), laws[ph].terms(100000)
+        assert big[key] == pytest.approx(small[key] * 100000 / 4096)
+        assert big["count_law"] == small["count_law"]
+        ops = dict(laws[ph].counted())["store_ops"]
+        assert big[key] == pytest.approx(100000 * ops * laws[ph].unit["store_server_op_s"])
+        assert _laws(op_s=2 * laws[ph].unit["store_server_op_s"])[ph].terms(100000)[key] \
+            == pytest.approx(2 * big[key])
+    for ph in ("detect", "abort", "first_step"):
+        assert laws[ph](512) == laws[ph](100000)
+
+
+def test_the_committed_plan_is_the_codes_own():
+    """docs/data/megatron_group_plans.json is what the code computes (W = 512 again here),
+    not a hand-written table."""
+    p = subprocess.run([sys.executable, "-m", "megatron_deadpool.apps.group_plan", "--world",
+                        "512", "--tp", "4", "--pp", "8"], capture_output=True, text=True,
+                       timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    want = json.loads(sim_scale.PLANS_FILE.read_text())["plans"]["W512.TP4.PP8.G4"]
+    for d in (got, want):
+        d.pop("enumerate_s")
+    assert got == want
+
+
+def test_a_missing_plan_is_computed_once_and_cached(tmp_path, capsys):
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        args = ["sim", "--gpus", "64", "128", "--tp", "2", "--pp", "2",
+                "--json", str(tmp_path / "a.json")]
+        assert main(args) == 0
+        first = capsys.readouterr().err
+        assert main(args) == 0
+        second = capsys.readouterr().err
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    assert first.count("computing it") == 2 and "computing it" not in second
+    cached = json.loads((tmp_path / "megatron-deadpool" / "group_plans.json").read_text())
+    assert set(cached["plans"]) == {"W64.TP2.PP2.G4", "W128.TP2.PP2.G4"}
+    got = json.loads((tmp_path / "a.json").read_text())
+    assert got["plans"]["64"]["busiest_survivor_groups"][-1]["size"] == 64
+
+
+def test_a_layout_the_world_does_not_divide_is_refused():
+    p = subprocess.run([sys.executable, "-m", "megatron_deadpool.apps.group_plan", "--world",
+                        "100", "--tp", "8", "--pp", "2"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and "must be a multiple of TP x PP (16)" in p.stderr
+    with pytest.raises(sim.SimError):
+        sim.SimConfig(gpus=(100,), tp=8, pp=2)
+
+
+def test_the_store_rate_counts_every_clients_operations():
+    from megatron_deadpool.apps import store_rate
+
+    got = store_rate.rate(clients=2, n=400)
+    assert got["ops"] == 800 and got["clients"] == 2 and got["ops_per_s"] > 0
+    with pytest.raises(ValueError):
+        store_rate.rate(clients=0)
