@@ -296,3 +296,43 @@ def test_megatron_lm_accepts_the_fallback_and_the_resume():
     args = argparse.Namespace(use_distributed_optimizer=True, deadpool_resume="d",
                               deadpool_fallback_save="d")
     assert not any("--deadpool" in r for r in unsupported_args(args))
+
+
+@pytest.mark.parametrize("secret", ["the-job-secret", None])
+@pytest.mark.parametrize("planted", ["x/../../..", "0123456789abcdef", "\udcff", b"\xff\xfe"])
+def test_a_run_id_planted_before_the_job_is_refused_and_the_ranks_agree(secret, planted,
+                                                                        caplog):
+    """Issue 58: a store client without the secret writes the run-id key first (a path that
+    climbs out of the fallback directory, a well-formed id it chose, a lone surrogate, bytes
+    that are not UTF-8). With the job secret every such value is refused, named by its key,
+    and every rank reads the same next key: one run id, drawn by the job. Without a secret
+    only the form is checked (the well-formed id is taken: nothing signs it)."""
+    from torch.distributed import HashStore, PrefixStore
+
+    launch = HashStore()
+    launch.set(persist.RUN_ID_KEY, planted.encode("utf-8", "surrogatepass")
+               if isinstance(planted, str) else planted)
+    got = {persist.run_id(PrefixStore(f"gen{g}", launch), secret) for g in range(3)}
+    (run,) = got
+    if secret is None and planted == "0123456789abcdef":
+        assert run == planted
+        return
+    assert run != planted and len(run) == 16 and int(run, 16) >= 0
+    assert f"store key '{persist.RUN_ID_KEY}'" in caplog.text and "refused" in caplog.text
+    assert persist.iteration_dir("/fb", 3, run).startswith("/fb/iter_00000003-")
+
+
+def test_a_run_id_not_of_its_form_never_becomes_a_path():
+    for bad in ("x/../../..", "../" * 6, "0123456789abcdeF", ""):
+        with pytest.raises(ConfigError, match="not 16 hex digits"):
+            persist.iteration_dir("/fb", 3, bad)
+
+
+def test_every_run_id_key_forged_stops_with_one_line():
+    from torch.distributed import HashStore
+
+    store = HashStore()
+    for n in range(persist.RUN_ID_TRIES):
+        store.set(persist.RUN_ID_KEY + (f"/{n}" if n else ""), "forged")
+    with pytest.raises(ConfigError, match="without the job secret"):
+        persist.run_id(store, "the-job-secret")

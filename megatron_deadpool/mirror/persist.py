@@ -52,20 +52,53 @@ class Manifest:
         return self.world, self.tp, self.pp, self.dp
 
 
-def run_id(store) -> str:
+RUN_ID_TRIES = 8  # keys RUN_ID_KEY, RUN_ID_KEY/1, ... tried past records not signed for it
+_RUN = re.compile(r"^[0-9a-f]{16}$")
+
+
+def run_id(store, secret: Optional[str] = None) -> str:
     """This launch's run id: drawn by the first rank that asks, read by every other (one
     ``compare_set`` in the launch's store, which outlives the generations). ``store`` may be
     a generation's prefix of it, at any depth: a spare promoted in generation g sees the
     launch's store under more prefixes than a rank of generation 0 (its files were written
-    under another run id, and no iteration was complete)."""
+    under another run id, and no iteration was complete).
+
+    The run id names the fallback's directories, so nothing unsigned may choose it (issue
+    58: a store client without the secret set ``x/../../..`` first, and every rank wrote its
+    files outside the fallback directory). The value is signed with the job ``secret``
+    (None: a run without one, e.g. a test; then only its form is checked) and must be 16
+    hex digits. A value that is not is refused with one line naming the key, and every rank
+    goes on to the next key (``RUN_ID_KEY/1``, ...): they all read the same values, so they
+    agree on the run id that the first of them drew there."""
     import secrets
+
+    from ..membership import auth
 
     while getattr(store, "underlying_store", None) is not None:
         store = store.underlying_store
-    return store.compare_set(RUN_ID_KEY, "", secrets.token_hex(8)).decode()
+    for n in range(RUN_ID_TRIES):
+        key = RUN_ID_KEY if n == 0 else f"{RUN_ID_KEY}/{n}"
+        mine = secrets.token_hex(8)
+        sealed = auth.seal(secret, {"k": "run-id", "run": mine}) if secret else mine
+        raw = store.compare_set(key, "", sealed)
+        try:
+            run = (auth.open_(secret, raw, k="run-id")["run"] if secret
+                   else raw.decode("ascii"))
+        except (auth.AuthError, UnicodeDecodeError, KeyError, TypeError):
+            run = None
+        if isinstance(run, str) and _RUN.match(run):
+            return run
+        log.warning("fallback: the run id under store key %r is %s: refused (it names "
+                    "the fallback's directories), the next key is tried", key,
+                    "not signed with the job secret" if secret else "not 16 hex digits")
+    raise ConfigError(f"fallback: no usable run id under store keys {RUN_ID_KEY!r} .. "
+                      f"'{RUN_ID_KEY}/{RUN_ID_TRIES - 1}': each was written by someone "
+                      "without the job secret")
 
 
 def iteration_dir(root: str, iteration: int, run: str) -> str:
+    if not _RUN.match(str(run)):  # never a path out of ``root``
+        raise ConfigError(f"fallback: run id {run!r} is not 16 hex digits")
     return os.path.join(root, f"iter_{iteration:08d}-{run}")
 
 

@@ -43,4 +43,12 @@ class Fallback:
 def _run_id() -> str:
     from torch.distributed import distributed_c10d as c10d
 
-    return persist.run_id(c10d._get_default_store())  # the generation's: prefixes of the launch's
+    import os
+
+    from ..membership import auth
+
+    # a run without a job secret (no launcher gave one): the run id's form is checked
+    has = os.environ.get("DEADPOOL_TOKEN") or os.environ.get("DEADPOOL_TOKEN_FILE")
+    secret = auth.load_secret() if has else None
+    # the generation's store: prefixes of the launch's
+    return persist.run_id(c10d._get_default_store(), secret)
