@@ -26,7 +26,8 @@ def test_the_default_sim_projects_from_the_plan_with_every_assumption_listed(tmp
                for v in result["validation"]), result["validation"]
     assert [v["world_size"] for v in result["validation_outside_fit"]] == [64]
     for u in result["units_at_scale"]:
-        assert u["status"] in ("measured here", "assumed") and len(u["source"]) > 10, u
+        assert u["status"] in ("measured here", "assumed", "counted in the code") \
+            and len(u["source"]) > 10, u
     top = result["scaling_law"]["rebuild_groups"]["terms_at"]["100000"]
     assert top["nccl_init INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP (100000)"] > 0
     groups = result["plans"]["100000"]["busiest_survivor_groups"]
@@ -34,7 +35,12 @@ def test_the_default_sim_projects_from_the_plan_with_every_assumption_listed(tmp
     lost = result["lost_per_failure_s"]["hotswap"]["100000"]
     assert lost == pytest.approx(sum(result["per_scale"]["100000"]["hotswap_breakdown_s"]
                                      .values()), abs=1e-3)
-    printed = capsys.readouterr().out
+    util = result["steady_store_utilization"]
+    assert util["512"] < util["4096"] < util["100000"]
+    assert util["100000"] == pytest.approx(100000 / 512 * util["512"], rel=1e-3)
+    printed = capsys.readouterr()
+    assert "cannot serve the control plane while training" in printed.err
+    printed = printed.out
     assert "[assumed]" in printed and "[measured here]" in printed
     assert "INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP (100000 ranks)" in printed
 
@@ -63,6 +69,19 @@ def test_the_store_server_serves_every_ranks_operations_one_after_another():
             == pytest.approx(2 * big[key])
     for ph in ("detect", "abort", "first_step"):
         assert laws[ph](512) == laws[ph](100000)
+    votes = laws["rebuild_groups"].terms(100000)["store_server (keep votes of the unbroken "
+                                                 "groups)"]
+    plan = sim_scale.plans_for((100000,), 4, 8, 4, log=None)[100000]
+    assert votes == pytest.approx(5 * (plan["members_total"] - plan["rebuilt_members_total"])
+                                  * laws["rebuild_groups"].unit["store_server_op_s"])
+
+
+def test_the_rendezvous_serves_each_survivor_a_delta_and_each_spare_the_plan():
+    """Every survivor reads the plan's delta (a few hundred bytes), each promoted spare the
+    whole plan: the bytes the store serves grow as W, not W^2."""
+    small, big = (sim_scale.plan_read_bytes(w, 4) for w in (10000, 100000))
+    assert big < 12 * small
+    assert sim_scale.plan_read_bytes(100000, 4) < 100000 * 1200
 
 
 def test_the_committed_plan_is_the_codes_own():

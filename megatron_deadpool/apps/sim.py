@@ -307,6 +307,8 @@ def _simulate_at_scale(cfg: SimConfig, measured: Dict, measured_path, log) -> Di
                            "rebuilt_members_total": p["rebuilt_members_total"],
                            "groups_with_a_dead_rank": p["groups_with_a_dead_rank"]}
                   for g, p in plans.items()},
+        "steady_store_utilization": {str(g): round(sim_scale.steady_utilization(
+            g, {u.name: u.value for u in unit_list}), 4) for g in cfg.gpus},
         "validation": sim_counts.validate(sim_scale.fit_runs(runs), TOLERANCE),
         "validation_outside_fit": sim_scale.outside_fit(runs, within=TOLERANCE),
     }

@@ -62,6 +62,9 @@ def _scale_lines(result: Dict) -> List[str]:
     for ph, law in result["scaling_law"].items():
         terms = law["terms_at"][top]
         lines.append(f"  {ph}: " + " + ".join(f"{k} {v:.3g} s" for k, v in terms.items()))
+    lines.append("the job's one store while training (fraction of its time; 1 or more: it "
+                 "cannot keep up): " + ", ".join(
+                     f"{g} GPUs {u:.2f}" for g, u in result["steady_store_utilization"].items()))
     lines.append("unit costs at scale (every assumption; docs/simulator.md):")
     for u in result["units_at_scale"]:
         lines.append(f"  {u['name']} = {u['value']:.4g} {u['unit']} [{u['status']}]: "
@@ -73,6 +76,9 @@ def warnings(result: Dict) -> List[str]:
     out = [f"deadpool sim: warning: W={v['world_size']} prediction is off by "
            f"{v['rel_error']:+.1%} (outside 25%)" for v in result["validation"]
            if not v["within_25pct"]]
+    out += [f"deadpool sim: warning: at {g} GPUs the job's one store cannot serve the "
+            f"control plane while training ({u:.1f}x its capacity): the projection assumes "
+            "it can" for g, u in result.get("steady_store_utilization", {}).items() if u >= 1]
     out += [f"deadpool sim: note: W={v['world_size']} (outside the fit, oversubscribed "
             f"{v['oversubscription']:g}x) is predicted {v['rel_error']:+.1%} off"
             for v in result.get("validation_outside_fit", []) if not v["within_25pct"]]

@@ -8,7 +8,12 @@ one list; the table and docs/simulator.md are derived from it).
                                  measured (BOUNDED: the most at any W of the fit);
                                  abort + one NCCL abort of the survivor's communicators
     rendezvous                   the count law + the store server serving every survivor's
-                                 operations of the phase, one after another
+                                 operations of the phase, one after another, and the plan to
+                                 every member (a survivor: the delta from the plan it holds;
+                                 a promoted spare: the whole plan, O(W) bytes)
+    (steady state)               not a phase: the store operations the control plane costs
+                                 while training (``steady_utilization``): at 1 or more the
+                                 job's one store cannot serve them
     rebuild_groups               its constant + one NCCL communicator built per group the
                                  busiest survivor rebuilds: megatron-core's groups that held a
                                  rank of the lost node (apps/group_plan.py, computed for the
@@ -93,6 +98,14 @@ def units(store_rate: Optional[Mapping] = None) -> List[Unit]:
         Unit("store_ops_per_group_member", 2.0, "operations", "assumed",
              "torch's NCCL group creation: the group's first rank sets the unique id, every "
              "member reads it and takes part in the creation's store barrier"),
+        Unit("store_ops_per_keep_vote", 5.0, "operations", "counted in the code",
+             "recovery/repair.py's vote: compare_set, add, set (the last member), wait, get, "
+             "for every member of every group that held no lost rank"),
+        Unit("steady_store_ops_per_rank_s", steady_ops_per_rank_s(), "operations/s",
+             "counted in the code", "while training: each rank's watcher and heartbeat and "
+             "the decider's heartbeat scan (sim_scale.steady_ops_per_rank_s)"),
+        Unit("store_server_bytes_s", rate["bytes_per_s"], "bytes/s", "measured here",
+             f"the same server with 1 MB and 4 MB values ({rate['bytes_note']})"),
         Unit("store_server_op_s", rate["op_s"], "s", "measured here",
              f"one TCPStore server (torch {rate.get('torch')}, {rate.get('backend')} "
              f"backend) served {rate['ops_per_s']:.0f} operations/s, the best of "
@@ -106,11 +119,49 @@ def load_store_rate(path: Path = STORE_RATE_FILE) -> Dict:
     try:
         data = json.loads(Path(path).read_text())
         best = max(data["runs"], key=lambda r: r["ops_per_s"])
+        big = max(data["byte_runs"], key=lambda r: r["value_bytes_per_s"])
     except (OSError, ValueError, KeyError) as exc:
         raise DeadpoolError(f"{path}: no store rate ({exc!r}); measure one with `python -m "
-                            f"megatron_deadpool.apps.store_rate --json F`") from None
+                            f"megatron_deadpool.apps.store_rate --json F` (and "
+                            "--value-bytes 1000000)") from None
     return {**best, "op_s": 1.0 / best["ops_per_s"], "runs": len(data["runs"]),
-            "date": data.get("date")}
+            "date": data.get("date"), "bytes_per_s": big["value_bytes_per_s"],
+            "bytes_note": data.get("byte_runs_note", "")}
+
+
+def steady_ops_per_rank_s() -> float:
+    """Store operations per second one rank costs the job's store while it trains, from the
+    code's own constants: its watcher reads the generation pointer (1 operation) and the
+    shutdown record (2: a missing key's get_now is a compare_set and a check) every
+    WATCH_POLL_S, and writes a heartbeat every heartbeat interval; the decider reads each
+    rank's heartbeat every quarter interval (membership/member.py, decider.py)."""
+    from ..base.config import DeadpoolConfig
+    from ..membership.member import WATCH_POLL_S
+
+    hb = DeadpoolConfig().heartbeat_interval_s
+    return 3 / WATCH_POLL_S + 1 / hb + 4 / hb
+
+
+def plan_read_bytes(world: int, gpus_per_node: int) -> int:
+    """The bytes the store serves when every member of the generation after node 0's loss
+    reads its plan: a survivor the signed delta from the plan it holds, each promoted spare
+    the whole signed plan (O(W) bytes; store.Coordinator.get_plan)."""
+    from ..base.plan import Plan, delta
+    from ..membership import auth
+
+    nodes = tuple(r // gpus_per_node for r in range(world))
+    lost = tuple(range(gpus_per_node))
+    prev = Plan(gen=0, world_size=world, rank_of={r: r for r in range(world)},
+                node_of_rank=nodes, prev_node_of_rank=nodes, t=1.7e9)
+    plan = Plan(gen=1, world_size=world, rank_of={world + r if r in lost else r: r
+                                                 for r in range(world)},
+                node_of_rank=tuple(world // gpus_per_node if r in lost else n
+                                   for r, n in enumerate(nodes)),
+                prev_node_of_rank=nodes, failed_ranks=lost,
+                spare_of_rank={r: world + r for r in lost}, t=1.7e9, t_failure=1.7e9)
+    full = len(auth.seal("s" * 32, plan.to_json()))
+    small = len(auth.seal("s" * 32, delta(prev, plan)))
+    return (world - len(lost)) * small + len(lost) * full
 
 
 # ---------------------------------------------------------------------- the plans
@@ -197,16 +248,23 @@ class ScaleLaw:
         if self.phase == "rebuild_groups":
             plan = self.plans[w]
             groups = plan["busiest_survivor"]["groups"]
+            kept = plan["members_total"] - plan["rebuilt_members_total"]
             return {"constant": c.units.constants_s[self.phase],
                     **{f"nccl_init {g['megatron']} ({g['size']})": nccl_init_s(g["size"], u)
                        for g in groups},
                     "store_server (members of the rebuilt groups)": u["store_server_op_s"]
-                    * plan["rebuilt_members_total"] * u["store_ops_per_group_member"]}
+                    * plan["rebuilt_members_total"] * u["store_ops_per_group_member"],
+                    "store_server (keep votes of the unbroken groups)": u["store_server_op_s"]
+                    * kept * u["store_ops_per_keep_vote"]}
         out = {"count_law": c.units.phase_s(self.phase, counted)}
         if self.phase == "abort":
             out["nccl_abort"] = u["nccl_abort_s"]
         if self.phase in ("rendezvous", "restore_state"):
             out["store_server (every rank's operations)"] = server * counted.get("store_ops", 0)
+        if self.phase == "rendezvous":
+            gpn = self.plans[w]["gpus_per_node"]
+            out["store_server (every rank reads the plan)"] = \
+                plan_read_bytes(w, gpn) / u["store_server_bytes_s"]
         return out
 
     def __call__(self, w: float) -> float:
@@ -254,3 +312,9 @@ def outside_fit(runs: Sequence[Mapping], fit_max_w: int = FIT_MAX_W,
                     "measured_total_s": round(measured, 4), "predicted_total_s": round(pred, 4),
                     "rel_error": round(err, 4), "within_25pct": abs(err) <= within})
     return out
+
+
+def steady_utilization(w: int, unit: Mapping[str, float]) -> float:
+    """The fraction of the store server's time the control plane takes while ``w`` ranks
+    train (1 or more: it cannot keep up)."""
+    return w * unit["steady_store_ops_per_rank_s"] * unit["store_server_op_s"]

@@ -81,3 +81,72 @@ class Plan:
                    spare_of_rank={int(k): int(v) for k, v in d.get("spare_of_rank", {}).items()},
                    t=float(d.get("t", 0.0)), t_failure=d.get("t_failure"),
                    drain=None if drain is None else Drain.from_json(drain))
+
+
+# ---------------------------------------------------------------------- plan deltas
+# A survivor holds the plan of generation g - 1 and reads only what changed in g (issue 57:
+# a full plan is O(W) bytes, and every member reading it made the rendezvous O(W^2) bytes
+# through the job's one store). A member without g - 1 (a promoted spare, a skipped
+# generation), or whose applied delta does not give the plan's digest, reads the full plan.
+_DICTS = ("rank_of", "spare_of_rank")
+_LISTS = ("node_of_rank", "prev_node_of_rank", "failed_ranks")
+
+
+def digest(plan_json: dict) -> str:
+    """SHA-256 of a plan's canonical JSON (what a delta must rebuild exactly)."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(plan_json, sort_keys=True, separators=(",", ":"))
+                          .encode()).hexdigest()
+
+
+def _base(prev: dict, key: str) -> list:
+    """What a list field of the next plan is written against: prev_node_of_rank against the
+    previous plan's node_of_rank (the usual case: they are equal), every other against
+    itself."""
+    return prev["node_of_rank"] if key == "prev_node_of_rank" else prev[key]
+
+
+def delta(prev: "Plan", new: "Plan") -> dict:
+    """What changed from ``prev`` to ``new``: O(changed ranks) bytes, plus the digest of
+    ``new``'s JSON."""
+    p, n = prev.to_json(), new.to_json()
+    out = {"gen": new.gen, "from": prev.gen, "digest": digest(n)}
+    for key, v in n.items():
+        if key in _DICTS:
+            out[key] = {"set": {x: y for x, y in v.items() if p[key].get(x) != y},
+                        "gone": [x for x in p[key] if x not in v]}
+        elif key in _LISTS:
+            base = _base(p, key)
+            out[key] = {"n": len(v), "set": {str(i): y for i, y in enumerate(v)
+                                             if i >= len(base) or base[i] != y}}
+        elif key != "gen":
+            out[key] = v
+    return out
+
+
+def apply_delta(prev: "Plan", d: dict) -> "Plan":
+    """``prev`` with delta ``d`` applied; ValueError when ``d`` is not from ``prev`` or
+    does not rebuild the plan it was made from (its digest)."""
+    p = prev.to_json()
+    try:
+        if int(d["from"]) != prev.gen:
+            raise ValueError(f"a delta from generation {d['from']}, not {prev.gen}")
+        out = {"gen": int(d["gen"])}
+        for key in p:
+            if key in _DICTS:
+                got = {x: y for x, y in p[key].items() if x not in set(d[key]["gone"])}
+                got.update(d[key]["set"])
+                out[key] = got
+            elif key in _LISTS:
+                base, n = _base(p, key), int(d[key]["n"])
+                out[key] = [d[key]["set"].get(str(i), base[i] if i < len(base) else None)
+                            for i in range(n)]
+            elif key != "gen":
+                out[key] = d[key]
+        if digest(out) != d["digest"]:
+            raise ValueError("the applied delta does not give the plan's digest")
+        return Plan.from_json(out)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"a malformed plan delta ({exc!r})") from None

@@ -36,8 +36,10 @@ import time
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..base import counts
 from ..base.errors import TokenError
-from ..base.plan import Plan
+from ..base.plan import Plan, apply_delta
+from ..base.plan import delta as plan_delta
 from . import auth
 from . import records
 from .records import CountedQueue, OwnedSlots, get_now, peek
@@ -102,6 +104,7 @@ class Coordinator:
         self._queues: Dict[str, CountedQueue] = {}  # the counted queues this reader reads
         self.owned = OwnedSlots(store)  # the single-slot records this writer put back (heal)
         self._done: set = set()  # generations whose every rank reported (generation_done)
+        self._plans: Dict[int, Plan] = {}  # the plans this reader or writer holds, by gen
 
     # -------------------------------------------------------------- events
     def push_event(self, kind: str, **fields) -> None:
@@ -130,9 +133,16 @@ class Coordinator:
 
     # -------------------------------------------------------------- plans
     def publish_plan(self, plan: Plan) -> None:
+        """The plan of ``plan.gen``, its delta from the plan this writer published before
+        (when that is ``gen - 1``: what a survivor reads), then the pointer to it."""
         g = plan.gen
+        prev = self._plans.get(g - 1)
+        if prev is not None:
+            self.owned.set(k("plan_delta", g), auth.seal(self.secret, plan_delta(prev, plan)),
+                           k("plan_delta", g - 1))
         self.owned.set(k("plan", g), auth.seal(self.secret, plan.to_json()), k("plan", g - 1))
         self.owned.set(k("latest"), auth.seal(self.secret, {"gen": g}))
+        self._keep(plan)
 
     def current_gen(self) -> int:
         """The newest generation with a valid signed pointer (a forged one is ignored)."""
@@ -164,7 +174,32 @@ class Coordinator:
         return plan.gen in self._done
 
     def get_plan(self, gen: int) -> Plan:
-        return Plan.from_json(auth.open_(self.secret, self.raw.get(k("plan", gen)), gen=gen))
+        """Generation ``gen``'s plan: from the plan of ``gen - 1`` this reader holds and the
+        signed delta (O(changed ranks) bytes), else the full signed plan (O(W) bytes: a
+        promoted spare, a skipped generation, a delta missing, forged or not giving the
+        plan's digest). Raises auth.AuthError when the full plan does not verify."""
+        if gen in self._plans:
+            return self._plans[gen]
+        prev, plan = self._plans.get(gen - 1), None
+        if prev is not None:
+            raw = get_now(self.raw, k("plan_delta", gen))
+            counts.add("bytes", len(raw or b""))
+            try:
+                plan = apply_delta(prev, auth.open_(self.secret, raw, gen=gen))
+            except (auth.AuthError, ValueError):
+                plan = None  # the full plan below says whether anything is wrong
+        if plan is None:
+            raw = self.raw.get(k("plan", gen))
+            counts.add("bytes", len(raw))
+            plan = Plan.from_json(auth.open_(self.secret, raw, gen=gen))
+        self._keep(plan)
+        return plan
+
+    def _keep(self, plan: Plan) -> None:
+        """Hold the newest plans (the next delta is read against them)."""
+        self._plans[plan.gen] = plan
+        for g in [g for g in self._plans if g < plan.gen - 1]:
+            del self._plans[g]
 
     # -------------------------------------------------------------- admission
     def request_admission(self, lid: int, timeout_s: float) -> None:
