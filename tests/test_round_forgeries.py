@@ -41,8 +41,8 @@ class Hooked:
     value)``, before a write, returns the value the store gets instead (a forger that wrote
     over it before any reader could see the genuine one), or None to leave it."""
 
-    def __init__(self, raw, hook=None, swap=None):
-        self.raw, self.hook, self.swap = raw, hook, swap
+    def __init__(self, raw, hook=None, swap=None, after_wait=None):
+        self.raw, self.hook, self.swap, self.after_wait = raw, hook, swap, after_wait
 
     def __getattr__(self, name):
         op = getattr(self.raw, name)
@@ -52,19 +52,22 @@ class Hooked:
                 forged = self.swap(name, args[0], args[1])
                 args = args if forged is None else (args[0], forged)
             out = op(*args)
+            if self.after_wait is not None and name == "wait":
+                self.after_wait(self.raw, args[0])
             if self.hook is not None and name in ("set", "add", "multi_set"):
                 self.hook(self.raw, name, args[0], args[1])
             return out
         return call
 
 
-def _run_all(world, fn, hook=None, swap=None):
+def _run_all(world, fn, hook=None, swap=None, after_wait=None):
     """``fn(rounds, rank)`` on every rank at once (threads), each on its own view of one
     store; the results or exceptions, by rank."""
     raw = dist.HashStore()
     raw.set_timeout(timedelta(seconds=10))  # a read of a key never written: no long hang
     return on_every_rank(world, lambda r: fn(
-        StoreRounds(Hooked(raw, hook, swap), r, world, 3.0, secret=SECRET, gen=GEN), r))
+        StoreRounds(Hooked(raw, hook, swap, after_wait), r, world, 3.0, secret=SECRET,
+                    gen=GEN), r))
 
 
 def _ring(world, lost):
@@ -203,6 +206,24 @@ def test_a_commit_vote_written_over_is_put_back_or_a_no_and_the_job_goes_on(
     else:
         assert got == [(False, True)] * 3, got
         assert "forged by someone without the job secret" in caplog.text
+
+
+def test_a_record_deleted_after_its_readers_wait_is_put_back_not_waited_out():
+    """Issue 58: a forger deletes rank 1's vote right after rank 0's wait for it returned.
+    Before, rank 0's read (a multi_get) then waited for the key until the store's timeout
+    and the round ended with the store's error on rank 0 and a timeout on the others; now
+    the read finds it missing, rank 1 puts its record back while it waits, and the vote is
+    taken on every rank."""
+    state = {"on": True}
+
+    def deleting(raw, keys):
+        if state["on"] and f"{PREFIX}1/u/1" in keys:
+            state["on"] = False
+            raw.delete_key(f"{PREFIX}1/u/1")
+
+    got = _run_all(3, lambda rounds, r: rounds.all_ok(True), after_wait=deleting)
+    assert not state["on"]
+    assert got == [True] * 3, got
 
 
 # ---------------------------------------------------------------------------- the fuzzer

@@ -26,7 +26,7 @@ one list; the table and docs/simulator.md are derived from it).
                                  (about 10 ms at 100,000 GPUs: left out)
 
 BOUNDED: outside megatron-core's groups (the plan), the code bounds what a survivor does in a
-recovery by a constant: one store operation at the rendezvous, at most 2 FANOUT + 6 store
+recovery by a constant: one store operation at the rendezvous, at most MAX_OPS_PER_ROUND store
 operations a round in the mirror's rounds (mirror/rounds.py), the in-flight transfers to its
 buddies at the abort. So the counts are the most measured at any W of the fit, not a fitted
 law extrapolated (a fit through 0, 0, 2 in-flight messages at W = 8, 16, 32 grows as W).

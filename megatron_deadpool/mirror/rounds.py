@@ -9,7 +9,8 @@ member's record in each round: 101 / 172 / 316 store operations in a restore at 
 The members form a tree of fan-out ``FANOUT`` (rank x's parent is (x - 1) // FANOUT, its
 children FANOUT x + 1 ... FANOUT x + FANOUT; rank 0 is the root). A round r, for rank x::
 
-    up:    x waits for {r}/u/{c} of each child c (one wait, one multi_get), verifies each,
+    up:    x waits for {r}/u/{c} of each child c (one wait, then get_now of each: a read
+           never waits on a key deleted after the wait), verifies each,
            merges them with its own posts and adds, and writes its subtree's signed record
            {r}/u/{x}: the posts, the adds summed, the topics and counters its subtree reads,
            and the ranks named forged below it
@@ -18,7 +19,7 @@ children FANOUT x + 1 ... FANOUT x + FANOUT; rank 0 is the root). A round r, for
            writes each child's {r}/d/{c}: the part of it that the child's subtree reads;
            then deletes its own {r}/u/{x} and {r}/d/{x} (both read by then)
 
-Each rank verifies at most FANOUT + 1 records and does at most 2 FANOUT + 6 store
+Each rank verifies at most FANOUT + 1 records and does at most MAX_OPS_PER_ROUND (14) store
 operations per round (plus one ``compare_set`` and one ``wait`` per SLICE_S it waits), at
 any W; a round takes 2 log_FANOUT W store hops in a row. Rank 0 still merges O(W) bytes of
 posts (the store server did O(W) per round already). Rounds are numbered per generation,
@@ -58,6 +59,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..base import counts
 from ..base.errors import ForgedRecordError, TransportTimeout
+from ..membership.records import get_now
 from . import round_records as rr
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,11 @@ log = logging.getLogger(__name__)
 PREFIX = "mirror/rounds/"
 ROOT = 0
 FANOUT = 4       # children per member: each rank verifies at most FANOUT + 1 records
+# a rank's store operations in one round, at most, as --deadpool-count-work counts them (a
+# key of a multi_set once): one wait for its children, a get_now of each child's record,
+# its own record, one wait and one get_now for its result, its children's results, two
+# deletes (waits that time out add more)
+MAX_OPS_PER_ROUND = 2 * FANOUT + 6
 GRACE_S = 2.0    # a forged record that stays forged this long fails the round
 SLICE_S = 1.0    # a waiting rank looks at its own up record this often (put back if changed)
 POLL_S = 0.005   # while a record is stale or forged (the first wait; doubling to 50 ms)
@@ -217,7 +224,7 @@ class StoreRounds:
             if time.monotonic() >= deadline:
                 raise self._timeout(what, limit, f" (no record of this round from ranks "
                                     f"{self.children} or below them)")
-        raws = self.store.multi_get(keys)
+        raws = [get_now(self.store, key) for key in keys]  # never a wait on a deleted key
         counts.add("messages", len(keys))
         got = {c: rr.check(self.secret, raw, "up", self.gen, r, what, **{"from": c})
                for c, raw in zip(self.children, raws)}
@@ -244,7 +251,7 @@ class StoreRounds:
                 raise self._timeout(what, limit)
             self._heal(r)
         since, pause = time.monotonic(), POLL_S
-        raw = self.store.get(key)
+        raw = get_now(self.store, key)
         while True:
             counts.add("messages")
             body, why = rr.check(self.secret, raw, "down", self.gen, r, what, to=self.rank)
@@ -260,10 +267,10 @@ class StoreRounds:
             raw = self._read(key, pause)
 
     def _read(self, key: str, seconds: float) -> Optional[bytes]:
-        """The key's value, or None if it is not there within ``seconds`` (one wait and one
-        get, never a check and then a get: a key deleted in between would hold the get
+        """The key's value, or None if it is not there within ``seconds`` (a wait, then
+        get_now: a plain get of a key a forger deleted after the wait would hold the reader
         until the store's timeout)."""
-        return self.store.get(key) if _waited(self.store, [key], seconds) else None
+        return get_now(self.store, key) if _waited(self.store, [key], seconds) else None
 
     def _heal(self, r: int) -> None:
         """Put this rank's up record back if a forger deleted or changed it (while it waits
