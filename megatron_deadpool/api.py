@@ -126,7 +126,8 @@ class Deadpool:
             replicas=cfg.replicas, create_timeout_s=cfg.rendezvous_timeout_s,
             op_timeout_s=cfg.gloo_op_timeout_s, transport=cfg.mirror_transport,
             store_host=env.store_host, secret=secret, job_id=snapshot.job_id(secret),
-            fallback_dir=cfg.fallback_save_dir, fallback_every=cfg.fallback_every)
+            fallback_dir=cfg.fallback_save_dir, fallback_every=cfg.fallback_every,
+            failure_domains=cfg.failure_domains)
         # a launched job reports what the mirror costs (progress line, rank results, bench)
         meter = Meter() if env.results_dir or cfg.events_path else NO_METER
         return Runtime(cfg, env, member, world, Attachment(settings, meter, sink.emit),

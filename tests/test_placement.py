@@ -186,3 +186,30 @@ def test_16k_ranks(per_node, k):
     check_valid(r2n, b, k)
     assert all(len(h) == k for h in holders)
     assert recv == {n: 12 * k * per_node for n in range(world // per_node)}
+
+
+def test_buddies_leave_their_owners_failure_domain():
+    """Issue 59: 8 nodes of 2 ranks in 4 domains of 2 consecutive nodes (a rack each). The
+    node ring puts node 0's copies on node 1, in its own rack: a rack lost at once takes a
+    rank and its only copy. With the domains, every copy is in the next rack, and K = 2
+    copies in two other racks."""
+    r2n = nodes_of(16, 2)
+    rack = {n: n // 2 for n in range(8)}
+    ring = placement.buddies(r2n, 1)
+    assert any(rack[r2n[b[0]]] == rack[r2n[r]] for r, b in enumerate(ring))
+    for k in (1, 2, 3):
+        got = placement.buddies(r2n, k, rack)
+        for r, bs in enumerate(got):
+            racks = [rack[r2n[b]] for b in bs]
+            assert rack[r2n[r]] not in racks and len(set(racks)) == k, (k, r, bs)
+        assert sorted(len(h) for h in placement.holders_of(got)) == [k] * 16
+    assert placement.buddies(r2n, 1, rack)[0] == [4]  # node 0 -> node 2: the next rack
+    with pytest.raises(ConfigError, match="4 replica\\(s\\) need at least 5 failure domains.*are in 4"):
+        placement.buddies(r2n, 4, rack)
+
+
+def test_without_domains_or_with_one_node_each_the_ring_is_unchanged():
+    r2n = nodes_of(12, 3)
+    assert placement.buddies(r2n, 2, None) == placement.buddies(r2n, 2) == \
+        placement.buddies(r2n, 2, {n: f"d{n}" for n in range(4)})
+    assert placement.buddies(r2n, 1, {0: "a"}) == placement.buddies(r2n, 1)

@@ -120,6 +120,9 @@ class DeadpoolConfig:
     # --deadpool-rebuild-all-groups: a recovery on a gloo world makes every group again
     # instead of keeping those the failure did not break (recovery/repair.py)
     rebuild_all_groups: bool = False
+    # --deadpool-failure-domains blocks:N | file:PATH: each rank's buddies in other failure
+    # domains than its own (mirror/placement.py); "": every node its own domain (the ring)
+    failure_domains: str = ""
     # startup/save/eval/data -> seconds (STEP's is progress_timeout_s); defaults filled in
     section_timeouts_s: Mapping[str, float] = field(default_factory=dict)
 
@@ -199,6 +202,7 @@ class DeadpoolConfig:
             straggler_swap=parse_straggler_swap(getattr(args, "deadpool_straggler_swap", None)),
             count_work=bool(getattr(args, "deadpool_count_work", False)),
             rebuild_all_groups=bool(getattr(args, "deadpool_rebuild_all_groups", False)),
+            failure_domains=getattr(args, "deadpool_failure_domains", None) or "",
             section_timeouts_s=parse_section_timeouts(
                 getattr(args, "deadpool_section_timeouts", None) or ""),
         )
@@ -344,6 +348,12 @@ def add_config_args(parser: argparse.ArgumentParser,
     g.add_argument("--deadpool-count-work", action="store_true", help="count each recovery "
                    "phase's store operations too (its groups, connections and mirror traffic "
                    "are always counted): the recovery reports carry them (bench recovery)")
+    g.add_argument("--deadpool-failure-domains", default=d.failure_domains or None,
+                   metavar="blocks:N|file:PATH",
+                   help="each rank's buddy copies go to nodes of other failure domains (a "
+                   "rack, a leaf switch: what one event takes down at once): blocks:N, N "
+                   "consecutive nodes per domain; file:PATH, JSON {node: domain}. Default: "
+                   "every node its own domain (the node ring)")
     g.add_argument("--deadpool-rebuild-all-groups", action="store_true",
                    default=d.rebuild_all_groups, help="on a gloo (CPU) world, a recovery "
                    "makes every process group again; by default it keeps the groups the "

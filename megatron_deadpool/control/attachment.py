@@ -21,6 +21,7 @@ from ..adapters.support import check_supported, parallel_layout, step_barrier
 from ..base.errors import DeadpoolError
 from ..base.vocabulary import Event, Phase
 from ..mirror import meter as meters
+from ..mirror import placement
 from ..mirror.commit import CommitTracker
 from ..mirror.exchange import Rejections
 from ..mirror.mirror import Mirror
@@ -64,7 +65,9 @@ class Attachment:
 
         m = self.mirror = Mirror(rank, self.settings.replicas, use_cuda=with_cuda,
                                  job=self.settings.job_id, meter=self.meter, sources=sources,
-                                 commits=self.commits, rejections=self.rejections)
+                                 commits=self.commits, rejections=self.rejections,
+                                 domains=placement.domains(self.settings.failure_domains))
+        log.info("mirror placement: %s", placement.describe(self.settings.failure_domains))
         if why_not is not None and self.settings.replicas:
             log.info("mirror commits with its own collective: %s", why_not)
         m.set_hooks(fault=lambda it: fault_points(it, Phase.MIRROR),

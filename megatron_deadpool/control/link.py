@@ -43,9 +43,13 @@ class MirrorSettings:
     job_id: int = 0                   # snapshot.job_id(secret): other jobs' copies refused
     fallback_dir: Optional[str] = None
     fallback_every: int = 0
+    failure_domains: str = ""         # --deadpool-failure-domains (mirror/placement.py)
 
     def __post_init__(self):
         checked_name(self.transport)  # ConfigError naming the flag and the registry's names
+        from ..mirror import placement
+
+        placement.domains(self.failure_domains)  # a bad spec: ConfigError before the job
 
     @property
     def transport_name(self) -> str:

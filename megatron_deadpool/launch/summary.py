@@ -8,7 +8,7 @@ import os
 from typing import Dict, List
 
 from ..membership.procs import ProcState
-from ..mirror import persist
+from ..mirror import persist, placement
 from ..base import counts
 from ..base.plan import Plan
 from ..base.state import Role
@@ -93,6 +93,8 @@ def build_summary(opts, cfg, results_dir, decider, codes, failed, wall_s,
             summary["startup_error"] = decider.startup_error
         if cfg.enabled and cfg.fallback_save_dir:
             summary["fallback_save"] = fallback_save(cfg.fallback_save_dir, opts.world_size)
+        if cfg.enabled:  # which buddy placement ran (mirror/placement.py)
+            summary["placement"] = placement.describe(cfg.failure_domains)
         restarted = {x["lid"] for x in decider.local.records}
         summary["standby_spares_at_end"] = sum(
             1 for p in decider.procs.values() if p.role is Role.SPARE and p.rank is None

@@ -80,11 +80,12 @@ class Exchange:
 
     @classmethod
     def placed(cls, holdings: Holdings, transport: MirrorTransport, rank_to_node: Sequence,
-               replicas: int) -> "Exchange":
-        """The exchange of a generation whose ranks are on ``rank_to_node`` (placement.py)."""
+               replicas: int, domains=None) -> "Exchange":
+        """The exchange of a generation whose ranks are on ``rank_to_node`` (placement.py;
+        ``domains``: each node's failure domain, or None)."""
         if replicas == 0:
             return cls(holdings, transport, [], [], replicas)
-        b = placement.buddies(rank_to_node, replicas)
+        b = placement.buddies(rank_to_node, replicas, domains)
         return cls(holdings, transport, b[holdings.rank],
                    placement.holders_of(b)[holdings.rank], replicas)
 

@@ -41,8 +41,9 @@ class Mirror:
                  use_cuda: bool = False, flat_state: bool = True, job: int = 0,
                  meter: NullMeter = NO_METER, sources: Optional[TensorsFn] = None,
                  commits: Optional[CommitTracker] = None,
-                 rejections: Optional[Rejections] = None):
+                 rejections: Optional[Rejections] = None, domains=None):
         self.rank = rank
+        self.domains = domains  # each node's failure domain (placement.Domains), or None
         self.job = job  # snapshot.job_id(secret): copies of another job are refused
         self.meter = meter  # measurement hooks (meter.py); no-ops unless one is attached
         self.flat_state = flat_state  # re-home the sources into flat buffers (flat.py)
@@ -83,7 +84,8 @@ class Mirror:
         rejection board (commit.py). Receive buffers are reallocated lazily at the next
         exchange."""
         self.commits.board = board
-        self.exchange = Exchange.placed(self.holdings, transport, rank_to_node, self.replicas)
+        self.exchange = Exchange.placed(self.holdings, transport, rank_to_node, self.replicas,
+                                        self.domains)
 
     def _ensure_layout(self) -> snapshot.Layout:
         # The metadata capacity is fixed (not measured) so that a promoted spare computes
