@@ -348,12 +348,7 @@ def add_config_args(parser: argparse.ArgumentParser,
     g.add_argument("--deadpool-count-work", action="store_true", help="count each recovery "
                    "phase's store operations too (its groups, connections and mirror traffic "
                    "are always counted): the recovery reports carry them (bench recovery)")
-    g.add_argument("--deadpool-failure-domains", default=d.failure_domains or None,
-                   metavar="blocks:N|file:PATH",
-                   help="each rank's buddy copies go to nodes of other failure domains (a "
-                   "rack, a leaf switch: what one event takes down at once): blocks:N, N "
-                   "consecutive nodes per domain; file:PATH, JSON {node: domain}. Default: "
-                   "every node its own domain (the node ring)")
+    _add_placement_args(g, d)
     g.add_argument("--deadpool-rebuild-all-groups", action="store_true",
                    default=d.rebuild_all_groups, help="on a gloo (CPU) world, a recovery "
                    "makes every process group again; by default it keeps the groups the "
@@ -361,6 +356,15 @@ def add_config_args(parser: argparse.ArgumentParser,
                    "rebuilds only the others. NCCL worlds always rebuild every group")
     _add_drain_args(g, d)
     return parser
+
+
+def _add_placement_args(g, d: DeadpoolConfig) -> None:
+    g.add_argument("--deadpool-failure-domains", default=d.failure_domains or None,
+                   metavar="blocks:N|file:PATH",
+                   help="each rank's buddy copies go to nodes of other failure domains (a "
+                   "rack, a leaf switch: what one event takes down at once): blocks:N, N "
+                   "consecutive nodes per domain; file:PATH, JSON {node: domain}. Default: "
+                   "every node its own domain (the node ring)")
 
 
 def _add_restart_args(g, d: DeadpoolConfig) -> None:
