@@ -175,3 +175,23 @@ def test_oversubscription_is_removed_before_fitting(tmp_path):
     for e in sim.validate(measured["runs"], cfg):
         assert e["oversubscription"] == (e["world_size"] + 2) / 2
         assert abs(e["rel_error"]) < 1e-3 and e["within_25pct"]
+
+
+def test_the_spare_pool_is_sized_with_repairs_by_default(tmp_path, capsys):
+    """Issue 59: a failed node returns after the repair time (24 h by default, sourced), so
+    the pool at 100,000 GPUs is the failures of a day, not of the whole job; the table
+    prints the spares per scale and the share of the machine they leave idle."""
+    default = sim.spares(sim.SimConfig())
+    never = sim.spares(sim.SimConfig(repair_hours=0))
+    assert default["window"] == "repair time" and default["window_hours"] == 24
+    assert never["window"] == "job length" and never["window_hours"] == 720
+    assert default["spare_nodes"] < never["spare_nodes"] / 10
+    nodes = 100000 // 4
+    assert default["idle_share"] == pytest.approx(
+        default["spare_nodes"] / (nodes + default["spare_nodes"]), abs=1e-6)
+    assert "DSN 2006" in sim.SimConfig().assumptions()["repair_source"]
+    with pytest.raises(sim.SimError):
+        sim.SimConfig(repair_hours=-1)
+    assert main(["sim", "--law", "fit", "--json", str(tmp_path / "s.json")]) == 0
+    out = capsys.readouterr().out
+    assert "the machine they leave idle" in out and "100000 GPUs 64 (0.26%)" in out

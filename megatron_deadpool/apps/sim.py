@@ -27,6 +27,10 @@ SHARD_BYTES_PER_PARAM = 12   # fp32 main params + Adam exp_avg + exp_avg_sq (dis
 MODEL_BYTES_PER_PARAM = 2    # bf16 model params (per TP x PP rank, not sharded over DP)
 TOLERANCE = 0.25
 LAWS = ("scale", "auto", "counts", "fit")
+REPAIR_SOURCE = ("Schroeder and Gibson, 'A large-scale study of failures in high-performance "
+                 "computing systems' (DSN 2006; 23,000 failures on 20+ LANL systems): mean "
+                 "repair time from under an hour to over a day by system; the upper end, 24 h, "
+                 "taken")
 
 
 class SimError(ConfigError):
@@ -46,7 +50,9 @@ class SimConfig:
     spare_nodes: Optional[int] = None          # given: P(never running out) is reported
     target_probability: float = 0.99
     job_hours: float = 720.0
-    repair_hours: Optional[float] = None       # None: failed nodes do not return in the job
+    # a failed node returns to the pool after this long (0: never, within the job):
+    # REPAIR_SOURCE
+    repair_hours: float = 24.0
     link_gbps: float = 200.0                   # inter-node, per GPU
     checkpoint_interval_min: Optional[float] = None   # None: Young's optimum per scale
     checkpoint_write_s: float = 60.0
@@ -71,14 +77,13 @@ class SimConfig:
                 raise SimError(f"layout TP{self.tp} x PP{self.pp} = {self.tp * self.pp} "
                                f"does not divide {g} GPUs")
         positive = ("model_params", "job_hours", "link_gbps", "iteration_s",
-                    "measured_link_gbps", "node_mtbf_hours", "checkpoint_interval_min",
-                    "repair_hours")
+                    "measured_link_gbps", "node_mtbf_hours", "checkpoint_interval_min")
         for name in positive:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise SimError(f"--{name.replace('_', '-')} must be > 0, got {v}")
         for name in ("checkpoint_write_s", "checkpoint_load_s", "restart_cost_s",
-                     "inprocess_restart_s"):
+                     "inprocess_restart_s", "repair_hours"):
             if not getattr(self, name) >= 0:
                 raise SimError(f"--{name.replace('_', '-')} must be >= 0")
         if not 0 < self.target_probability < 1:
@@ -100,6 +105,8 @@ class SimConfig:
         out["node_mtbf_source"] = ("--node-mtbf-hours" if self.node_mtbf_hours else
                                    "Llama 3 per-GPU MTBF (16384 GPUs x 54 days / 419 "
                                    "unexpected interruptions) / gpus_per_node")
+        out["repair_source"] = (REPAIR_SOURCE if self.repair_hours == SimConfig.repair_hours
+                                else "--repair-hours")
         return out
 
 
@@ -228,10 +235,13 @@ def spares(cfg: SimConfig) -> Dict:
     window = cfg.repair_hours or cfg.job_hours
     per = {}
     for g in cfg.gpus:
-        mu = g // cfg.gpus_per_node * window / cfg.node_mtbf_h
+        nodes = g // cfg.gpus_per_node
+        mu = nodes * window / cfg.node_mtbf_h
         n, p = spares_needed(mu, cfg.target_probability)
         per[str(g)] = {"expected_failures": round(mu, 3), "spare_nodes": n,
-                       "probability": round(p, 6)}
+                       "probability": round(p, 6),
+                       # the spares' GPUs idle while the job trains: a share of the machine
+                       "idle_share": round(n / (nodes + n), 6)}
         if cfg.spare_nodes is not None:
             per[str(g)]["probability_with_given_spares"] = round(
                 poisson_cdf(cfg.spare_nodes, mu), 6)
@@ -241,6 +251,7 @@ def spares(cfg: SimConfig) -> Dict:
             "window": "repair time" if cfg.repair_hours else "job length",
             "node_mtbf_hours": round(cfg.node_mtbf_h, 1), "gpus": max(cfg.gpus),
             "spare_nodes": top["spare_nodes"], "probability": top["probability"],
+            "idle_share": top["idle_share"], "repair_hours": cfg.repair_hours or None,
             "given_spare_nodes": cfg.spare_nodes, "per_scale": per}
 
 

@@ -31,6 +31,15 @@ def format_table(result: Dict) -> List[str]:
     lines.append(f"spares: {sp['spare_nodes']} spare node(s) at {sp['gpus']} GPUs give "
                  f"P(never running out in {sp['window_hours']:g} h, {sp['window']}) = "
                  f"{sp['probability']:.4f} >= {sp['target_probability']}")
+    good = result["goodput"]
+    gain = {g: good["hotswap"][g] - max(good[s][g] for s in sim.STRATEGIES if s != "hotswap")
+            for g in sp["per_scale"]}
+    lines.append("  spare nodes for it and the machine they leave idle: " + ", ".join(
+        f"{g} GPUs {v['spare_nodes']} ({v['idle_share']:.2%})"
+        for g, v in sp["per_scale"].items()) + "; hot swap's goodput gain over the best "
+        "baseline: " + ", ".join(f"{g} GPUs {x:+.2%}" for g, x in gain.items()))
+    lines.append(f"  repairs: {a['repair_source']}" if sp["repair_hours"] else
+                 "  repairs: none (--repair-hours 0: a failed node never returns in the job)")
     lines.append("scaling law: " + ", ".join(
         f"{ph} {law['form']}" for ph, law in result["scaling_law"].items()))
     for ph, law in result["scaling_law"].items():  # the count law: where growth comes from
@@ -150,8 +159,8 @@ def add_arguments(sp) -> None:
     flt = (("--node-mtbf-hours", None, "default: Llama 3 per-GPU MTBF / GPUs per node"),
            ("--target-probability", d.target_probability, "of never running out of spares"),
            ("--job-hours", d.job_hours, "job length (the spare window)"),
-           ("--repair-hours", None, "window instead of the job length: failed nodes "
-                                    "return after this long"),
+           ("--repair-hours", d.repair_hours, "a failed node returns to the spare pool "
+                                              "after this long (0: never, within the job)"),
            ("--link-gbps", d.link_gbps, "inter-node bandwidth per GPU, Gb/s"),
            ("--checkpoint-interval-min", None, "baselines' interval (default: Young's "
                                                "optimum sqrt(2 x write x MTBF) per scale)"),
