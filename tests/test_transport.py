@@ -66,15 +66,15 @@ def _peer_death(t, rank, store):
              "exchange": lambda: t.exchange([(gone, torch.ones(1 << 20, dtype=torch.uint8))],
                                             [(gone, torch.empty(1 << 20, dtype=torch.uint8))],
                                             timeout_s=2.0)}
+    # a call that never ended would leave this worker's result missing: the test fails at
+    # its errq.get(timeout=120), with no wall-clock bound asserted here (issue 58)
     for name, call in calls.items():
-        t0 = time.monotonic()
         try:
             call()
         except Exception as exc:  # noqa: BLE001 - checked right below
             assert is_comm_failure(exc), f"{name}: {type(exc).__name__}: {exc}"
         else:
             raise AssertionError(f"{name} returned although a member never called it")
-        assert time.monotonic() - t0 < 15, name
 
 
 def _worker(rank, kind, port, errq, group_collectives=False):
