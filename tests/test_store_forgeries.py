@@ -7,7 +7,6 @@ of them is an exception out of ``Decider.step()`` or out of a genuine writer.
 
 import json
 import secrets
-import time
 from datetime import timedelta
 
 import pytest
@@ -29,6 +28,50 @@ class Clock:
 
     def __call__(self):
         return self.t
+
+
+class Ops:
+    """A store that counts the operations made through it."""
+
+    def __init__(self, store):
+        self.store, self.n = store, 0
+
+    def __getattr__(self, name):
+        op = getattr(self.store, name)
+
+        def counted(*args, **kwargs):
+            self.n += 1
+            return op(*args, **kwargs)
+        return counted
+
+
+class NoWaits:
+    """A store on which a read that would wait for a missing key (``get``, ``multi_get``,
+    ``wait``) fails at once, naming it: "never blocks" checked by construction, not timed
+    (issue 58)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def _there(self, keys, what):
+        missing = [k for k in keys if not self.store.check([k])]
+        if missing:
+            raise AssertionError(f"{what} would wait for missing {missing}")
+
+    def get(self, key):
+        self._there([key], "get")
+        return self.store.get(key)
+
+    def multi_get(self, keys):
+        self._there(keys, "multi_get")
+        return self.store.multi_get(keys)
+
+    def wait(self, keys, *args):
+        self._there(keys, "wait")
+        return self.store.wait(keys, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
 
 
 def _store(kind="hash"):
@@ -132,10 +175,11 @@ def test_a_genuine_writer_moves_past_the_slots_a_forger_took(taken):
             i = store.add(st.k(*q, "n"), 1)
             store.set(st.k(*q, i), b"forged")
         store.add(st.k(*q, "n"), -taken)
-    t0 = time.monotonic()
+    counted = Ops(store)
+    writer = st.Coordinator(counted, SECRET)
     writer.push_event(EventKind.EXIT, lid=1, code=-9)
     writer.push_command(0, {"op": "signal", "signal": "SIGKILL", "lids": [1]})
-    assert time.monotonic() - t0 < 5.0
+    assert counted.n < 200, counted.n  # O(log taken) looks, not a walk over the taken slots
     events = reader.read_events(0)
     assert [ev["kind"] for ev in events] == [EventKind.FORGED] * taken + [EventKind.EXIT]
     cmds, cursor, bad = reader.read_commands(0, 0)
@@ -220,21 +264,19 @@ def test_an_owned_record_deleted_is_put_back_without_waiting(kind):
     gone = [st.k("latest"), st.k("plan", 1), st.k("failing", 1)]
     for key in gone:
         store.delete_key(key)
-    t0 = time.monotonic()
+    coord.owned.raw = NoWaits(store)
     assert sorted(coord.owned.heal()) == sorted(gone)
-    assert time.monotonic() - t0 < SHORT_S / 2
     assert reader.current_gen() == 1 and reader.get_plan(1).gen == 1 and reader.is_failing(1)
     assert coord.owned.heal() == []
 
 
 def test_the_decider_puts_back_a_deleted_generation_pointer_and_goes_on():
-    store, logged = _store(), []
+    raw, logged = _store(), []
+    store = NoWaits(raw)
     d = _decider(store, log=logged.append)
-    store.delete_key(st.k("latest"))
-    store.delete_key(st.k("plan", 0))
-    t0 = time.monotonic()
+    raw.delete_key(st.k("latest"))
+    raw.delete_key(st.k("plan", 0))
     d.step()
-    assert time.monotonic() - t0 < SHORT_S / 2
     reader = st.Coordinator(store, SECRET)
     assert reader.get_plan(0).gen == 0 and store.check([st.k("latest")])
     assert any("put back" in m for m in logged), logged
@@ -263,10 +305,8 @@ def test_a_record_deleted_between_the_readers_look_and_its_read_never_blocks():
     between held the decider for the store's timeout and raised. Now it is a hole."""
     store = _store()
     st.Coordinator(store, SECRET).push_event(EventKind.DONE, lid=0)
-    reader = st.Coordinator(DeletesAfterLook(store, st.k("events", "")), SECRET)
-    t0 = time.monotonic()
-    got = reader.read_events(0)  # a hole now (waited for, then skipped), or read in one look
-    assert time.monotonic() - t0 < SHORT_S / 2
+    reader = st.Coordinator(NoWaits(DeletesAfterLook(store, st.k("events", ""))), SECRET)
+    got = reader.read_events(0)  # a hole now (skipped), or read in one look
     assert got == [] or [ev["kind"] for ev in got] == [EventKind.DONE], got
 
 
@@ -281,11 +321,9 @@ def test_single_records_deleted_between_look_and_read_never_block_their_readers(
     coord.set_shutdown("done")
     coord.agent_beat(0, 1)
     coord.put_rank_record("report", 1, 0, {"x": 1})
-    reader = st.Coordinator(DeletesAfterLook(store, "dp/"), SECRET)
-    t0 = time.monotonic()
+    reader = st.Coordinator(NoWaits(DeletesAfterLook(store, "dp/")), SECRET)
     got = [reader.current_gen(), reader.is_failing(1), reader.shutdown_reason(),
            reader.agent_heartbeat(0), reader.rank_record("report", 1, 0)]
-    assert time.monotonic() - t0 < SHORT_S / 2
     # each one gone (what a deleted record reads as) or, read in one look, the genuine one
     assert got[0] in (0, 1) and got[1] in (False, True) and got[2] in (None, "done")
     assert got[3] in (None, 1) and got[4] in (None, {"x": 1, "gen": 1, "rank": 0})
