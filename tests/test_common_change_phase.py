@@ -132,7 +132,8 @@ def test_a_spares_model_build_is_not_timed_as_the_new_phase(copy, tmp_path):
     phases = dict(got["phases"])
     assert [p for p, _ in got["phases"]] == ["rendezvous", "rebuild_groups", PHASE,
                                              "restore_state", "first_step"]
-    assert phases["restore_state"] >= 0.2 and phases[PHASE] < 0.1
+    # the phases' clock is virtual, moved only by the model build (test_sequencer.spare_walk)
+    assert phases["restore_state"] == pytest.approx(0.2) and phases[PHASE] == 0.0
     assert set(got["report"]) == set(phases)
 
 
@@ -206,6 +207,6 @@ def test_a_job_recovers_through_the_new_phase(copy, tmp_path):
     assert sorted(e["rank"] for e in mine) == [0, 1]  # the survivor and the spare
     spare = {e["phase"]: e["duration_s"] for e in ev
              if e["event"] == "phase" and e["rank"] == 1 and e.get("generation") == 1}
-    # a no-op: microseconds; timed over the spare's model build (the defect this guards
-    # against) about 0.1 s here. The exact check is the in-process one above.
-    assert spare[PHASE] < 0.03 and spare["restore_state"] > 0, spare
+    # the exact check that the spare's model build is not timed as the new phase is the
+    # in-process one above (a virtual clock); a real job's durations are not asserted
+    assert PHASE in spare and spare["restore_state"] > 0, spare
