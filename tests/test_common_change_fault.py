@@ -146,5 +146,8 @@ def test_a_new_fault_kind_runs_in_a_real_job(tmp_path):
         ("sigstop_then_kill", [1], 4)]
     (rec,) = s["recoveries"]
     assert rec["failed_ranks"] == [1]
-    assert 1.0 <= rec["phases_s"]["detect"] < 10.0, rec["phases_s"]
     assert s["exit_codes"]["1"] == -9  # SIGKILL ended the stopped process
+    # found by the kill's exit, not fenced by the 10 s heartbeat timeout a bare stop needs
+    # (the decider's own lines say which, no duration asserted)
+    out = p.stdout + p.stderr
+    assert "failed: " in out and "fencing process" not in out, out[-3000:]
