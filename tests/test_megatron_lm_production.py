@@ -157,11 +157,30 @@ def test_sequence_parallel_and_moe_through_a_swap(tree, tmp_path):
     the production flags: the expert groups are rebuilt, the expert optimizer shards
     mirrored and restored, the routers' buffers fingerprinted."""
     flags = FLAGS + ["--deadpool"] + P + SP + MOE + ["--expert-tensor-parallel-size", "1"]
-    _, ref = _run(tree, tmp_path, "ref-moe", flags)
-    _, k = _run(tree, tmp_path, "kill-moe", flags, spares=1, inject=["kill:node=1@iter=7"])
-    assert len(k["recoveries"]) == 1
+    # one spare more than planned in each run: for the open CPU heap-corruption defect
+    # (docs/megatron-lm.md), which took a rank of this test's runs in 3 of its last 4 on
+    # core_v0.19.0, a crash is a failure like any other (swapped, and the run still ends
+    # bitwise); every recovery is accounted for, by its cause
+    _, ref = _run(tree, tmp_path, "ref-moe", flags, spares=1)
+    _, k = _run(tree, tmp_path, "kill-moe", flags, spares=2, inject=["kill:node=1@iter=7"])
+    assert _planted(ref, ()) == [] and _planted(k, (2, 3)) == [[2, 3]], k["recoveries"]
     assert k["final_state_sha256"] == ref["final_state_sha256"]
     assert k["losses"] == ref["losses"]
+
+
+# the signals of the open CPU heap corruption (docs/megatron-lm.md): SIGABRT, SIGBUS, SIGSEGV
+CRASH_CODES = (-6, -7, -11)
+
+
+def _planted(s, ranks):
+    """The failed ranks of each recovery ``s`` planted (those of ``ranks``); every other
+    recovery must be the heap corruption's, one process that exited with its signal each."""
+    planted = [sorted(r["failed_ranks"]) for r in s["recoveries"]
+               if set(r["failed_ranks"]) <= set(ranks) and ranks]
+    crashes = [c for c in s["exit_codes"].values() if c in CRASH_CODES]
+    assert len(s["recoveries"]) - len(planted) <= len(crashes), (s["recoveries"],
+                                                                 s["exit_codes"])
+    return planted
 
 
 @pytest.mark.parametrize("extra", [
