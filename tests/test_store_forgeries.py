@@ -397,3 +397,19 @@ def test_a_record_written_between_the_readers_two_calls_is_read_not_lost():
             return self.value is not None
 
     assert records.get_now(Racy(), "k") == b"genuine"
+
+
+def test_a_process_joining_a_job_that_has_ended_stops_at_the_next_slice(monkeypatch):
+    """A standby started to refill a node as the job completed asked to join after the
+    decider had stopped: nobody answers, and it waited out the whole rendezvous timeout
+    (120 s), the launcher with it, at the end of every job with a local restart. Now its
+    wait looks for the shutdown every ADMIT_SLICE_S and ends with JobStopped."""
+    from megatron_deadpool.base.errors import JobStopped
+
+    monkeypatch.setattr(st, "ADMIT_SLICE_S", 0.05)
+    store = _store()
+    st.Coordinator(store, SECRET).set_shutdown("complete: all ranks finished")
+    counted = Ops(store)
+    with pytest.raises(JobStopped, match="before this process was admitted"):
+        st.Coordinator(counted, SECRET).request_admission(14, timeout_s=120.0)
+    assert counted.n < 10, counted.n  # one slice, not the timeout's worth of them

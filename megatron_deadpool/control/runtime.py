@@ -78,7 +78,14 @@ class Runtime:
 
     # ================================================================ membership
     def join(self) -> None:
-        self.member.admit(self._status, self._on_generation, self._on_stop)
+        try:
+            self.member.admit(self._status, self._on_generation, self._on_stop)
+        except JobStopped as exc:
+            if self.state.role is not Role.SPARE:
+                raise
+            log.info("spare released: %s", exc)  # the job ended before it was needed
+            self.close(destroy=False)
+            raise SystemExit(0) from None
         if self.state.role is Role.SPARE:
             self._startup = self.spare.run(self._standby(), pause=True)  # its world forms
         else:

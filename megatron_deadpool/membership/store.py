@@ -37,7 +37,7 @@ from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..base import counts
-from ..base.errors import TokenError
+from ..base.errors import TokenError, stopped
 from ..base.plan import Plan, apply_delta
 from ..base.plan import delta as plan_delta
 from . import auth
@@ -53,6 +53,9 @@ NONCE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 def well_formed_nonce(nonce) -> bool:
     return isinstance(nonce, str) and NONCE.fullmatch(nonce) is not None
+
+
+ADMIT_SLICE_S = 1.0  # a joining process looks for the job's shutdown this often
 
 
 class EventKind(str, enum.Enum):
@@ -209,7 +212,7 @@ class Coordinator:
         nonce = secrets.token_hex(8)
         self.push_event(EventKind.JOIN, lid=lid, nonce=nonce)
         key = k("admit", lid, nonce)
-        self.raw.wait([key], timedelta(seconds=timeout_s))
+        self._wait_unless_stopped(key, timeout_s)
         try:
             body = auth.open_(self.secret, self.raw.get(key), lid=lid, nonce=nonce)
         except auth.AuthError:
@@ -217,6 +220,25 @@ class Coordinator:
                              "match (wrong DEADPOOL_TOKEN)") from None
         if not body.get("ok"):
             raise TokenError(f"coordinator refused process {lid}: {body.get('why')}")
+
+    def _wait_unless_stopped(self, key: str, timeout_s: float) -> None:
+        """Wait for ``key`` in slices of ADMIT_SLICE_S; raises JobStopped once the job has
+        shut down meanwhile (a standby started to refill a node as the job completed was
+        never answered: it waited out the whole rendezvous timeout, and the launcher with
+        it: 120 s at the end of every job with a local restart), and the store's timeout
+        error after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self.raw.wait([key], timedelta(seconds=max(min(ADMIT_SLICE_S, left), 1e-3)))
+                return
+            except Exception as exc:  # noqa: BLE001 - torch's store errors vary by version
+                if "timeout" not in str(exc).lower() or left <= ADMIT_SLICE_S:
+                    raise
+            reason = self.shutdown_reason()
+            if reason is not None:
+                raise stopped(f"{reason} (before this process was admitted)")
 
     def check_secret(self, timeout_s: float) -> None:
         """For a node agent that does not host the store: the job's first plan must open
