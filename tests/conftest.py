@@ -131,6 +131,21 @@ def reference(tmp_path_factory):
     return get
 
 
+class Counting:
+    """The raw store, counting the operations made through it."""
+
+    def __init__(self, raw):
+        self.raw, self.n = raw, 0
+
+    def __getattr__(self, name):
+        op = getattr(self.raw, name)
+
+        def counted(*a, **kw):
+            self.n += 1
+            return op(*a, **kw)
+        return counted
+
+
 def on_every_rank(world: int, fn, join_s: float = 60.0) -> list:
     """``fn(rank)`` for every rank at once, one thread each; by rank, what each returned or
     the exception it raised (the store-round tests compare both)."""

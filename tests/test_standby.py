@@ -7,26 +7,12 @@ wait, and so does a stop."""
 import threading
 import time
 
+from conftest import Counting
 from megatron_deadpool.membership import member as mb
 from megatron_deadpool.membership import store as st
 from megatron_deadpool.base.plan import Plan
 
 SECRET = "s" * 32
-
-
-class Counting:
-    """The raw store, counting the operations made through it."""
-
-    def __init__(self, raw):
-        self.raw, self.n = raw, 0
-
-    def __getattr__(self, name):
-        op = getattr(self.raw, name)
-
-        def counted(*a, **kw):
-            self.n += 1
-            return op(*a, **kw)
-        return counted
 
 
 def _plan(gen, rank_of):

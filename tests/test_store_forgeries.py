@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+from conftest import Counting
 
 from megatron_deadpool.base.config import DeciderConfig
 from megatron_deadpool.membership import auth, records
@@ -28,21 +29,6 @@ class Clock:
 
     def __call__(self):
         return self.t
-
-
-class Ops:
-    """A store that counts the operations made through it."""
-
-    def __init__(self, store):
-        self.store, self.n = store, 0
-
-    def __getattr__(self, name):
-        op = getattr(self.store, name)
-
-        def counted(*args, **kwargs):
-            self.n += 1
-            return op(*args, **kwargs)
-        return counted
 
 
 class NoWaits:
@@ -175,7 +161,7 @@ def test_a_genuine_writer_moves_past_the_slots_a_forger_took(taken):
             i = store.add(st.k(*q, "n"), 1)
             store.set(st.k(*q, i), b"forged")
         store.add(st.k(*q, "n"), -taken)
-    counted = Ops(store)
+    counted = Counting(store)
     writer = st.Coordinator(counted, SECRET)
     writer.push_event(EventKind.EXIT, lid=1, code=-9)
     writer.push_command(0, {"op": "signal", "signal": "SIGKILL", "lids": [1]})
@@ -409,7 +395,7 @@ def test_a_process_joining_a_job_that_has_ended_stops_at_the_next_slice(monkeypa
     monkeypatch.setattr(st, "ADMIT_SLICE_S", 0.05)
     store = _store()
     st.Coordinator(store, SECRET).set_shutdown("complete: all ranks finished")
-    counted = Ops(store)
+    counted = Counting(store)
     with pytest.raises(JobStopped, match="before this process was admitted"):
         st.Coordinator(counted, SECRET).request_admission(14, timeout_s=120.0)
     assert counted.n < 10, counted.n  # one slice, not the timeout's worth of them

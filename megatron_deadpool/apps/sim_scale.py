@@ -303,14 +303,8 @@ def outside_fit(runs: Sequence[Mapping], fit_max_w: int = FIT_MAX_W,
     out = []
     for w in sorted({r["world_size"] for r in runs if r["world_size"] > fit_max_w}):
         mine = [r for r in runs if r["world_size"] == w]
-        k = mine[0].get("oversub", 1.0)
-        measured = sum(sum(r["phases_s"].values()) for r in mine) / len(mine)
-        pred = k * sum(units_fit.phase_s(ph, mine[0]["counts"].get(ph, {}))
-                       for ph in PHASE_ORDER)
-        err = (pred - measured) / measured if measured > 0 else float("inf")
-        out.append({"world_size": w, "oversubscription": round(k, 3),
-                    "measured_total_s": round(measured, 4), "predicted_total_s": round(pred, 4),
-                    "rel_error": round(err, 4), "within_25pct": abs(err) <= within})
+        out.append({"world_size": w, "oversubscription": round(mine[0].get("oversub", 1.0), 3),
+                    **sim_counts.predicted(mine, units_fit, within)})
     return out
 
 
