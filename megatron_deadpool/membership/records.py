@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from datetime import timedelta
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 HOLE_GRACE_S = 2.0
 FORWARD_SCAN = 256   # indices after a run of missing ones timed with it
@@ -195,6 +196,17 @@ def peek(raw: Optional[bytes]) -> dict:
         return body if isinstance(body, dict) else {}
     except (ValueError, AttributeError, RecursionError):  # a forged record: nothing claimed
         return {}
+
+
+def waited(store, keys: Sequence[str], seconds: float) -> bool:
+    """``store.wait(keys)``: False on its timeout."""
+    try:
+        store.wait(list(keys), timedelta(seconds=max(seconds, 1e-3)))
+        return True
+    except Exception as exc:  # noqa: BLE001 - torch's store error types vary by version
+        if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+            return False
+        raise
 
 
 def get_now(raw, key: str) -> Optional[bytes]:

@@ -228,14 +228,11 @@ class Coordinator:
         it: 120 s at the end of every job with a local restart), and the store's timeout
         error after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                self.raw.wait([key], timedelta(seconds=max(min(ADMIT_SLICE_S, left), 1e-3)))
+        while not records.waited(self.raw, [key], min(ADMIT_SLICE_S,
+                                                       deadline - time.monotonic())):
+            if time.monotonic() >= deadline:  # the store's own timeout error, as before
+                self.raw.wait([key], timedelta(milliseconds=1))
                 return
-            except Exception as exc:  # noqa: BLE001 - torch's store errors vary by version
-                if "timeout" not in str(exc).lower() or left <= ADMIT_SLICE_S:
-                    raise
             reason = self.shutdown_reason()
             if reason is not None:
                 raise stopped(f"{reason} (before this process was admitted)")

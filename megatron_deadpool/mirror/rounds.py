@@ -54,12 +54,11 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import timedelta
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..base import counts
 from ..base.errors import ForgedRecordError, TransportTimeout
-from ..membership.records import get_now
+from ..membership.records import get_now, waited
 from . import round_records as rr
 
 log = logging.getLogger(__name__)
@@ -75,17 +74,6 @@ MAX_OPS_PER_ROUND = 2 * FANOUT + 6
 GRACE_S = 2.0    # a forged record that stays forged this long fails the round
 SLICE_S = 1.0    # a waiting rank looks at its own up record this often (put back if changed)
 POLL_S = 0.005   # while a record is stale or forged (the first wait; doubling to 50 ms)
-
-
-def _waited(store, keys: Sequence[str], seconds: float) -> bool:
-    """``store.wait(keys)``: False on its timeout."""
-    try:
-        store.wait(list(keys), timedelta(seconds=max(seconds, 1e-3)))
-        return True
-    except Exception as exc:  # noqa: BLE001 - torch's store error types vary by version
-        if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
-            return False
-        raise
 
 
 def parent_of(rank: int) -> Optional[int]:
@@ -220,7 +208,7 @@ class StoreRounds:
         if not self.children:
             return {}
         keys = [self._key(r, "u", c) for c in self.children]
-        while not _waited(self.store, keys, min(SLICE_S, deadline - time.monotonic())):
+        while not waited(self.store, keys, min(SLICE_S, deadline - time.monotonic())):
             if time.monotonic() >= deadline:
                 raise self._timeout(what, limit, f" (no record of this round from ranks "
                                     f"{self.children} or below them)")
@@ -246,7 +234,7 @@ class StoreRounds:
         verified; when it stays forged (or an older round's) for GRACE_S, a result that
         names it (so that this rank's subtree fails the round too)."""
         key = self._key(r, "d", self.rank)
-        while not _waited(self.store, [key], min(SLICE_S, deadline - time.monotonic())):
+        while not waited(self.store, [key], min(SLICE_S, deadline - time.monotonic())):
             if time.monotonic() >= deadline:
                 raise self._timeout(what, limit)
             self._heal(r)
@@ -270,7 +258,7 @@ class StoreRounds:
         """The key's value, or None if it is not there within ``seconds`` (a wait, then
         get_now: a plain get of a key a forger deleted after the wait would hold the reader
         until the store's timeout)."""
-        return get_now(self.store, key) if _waited(self.store, [key], seconds) else None
+        return get_now(self.store, key) if waited(self.store, [key], seconds) else None
 
     def _heal(self, r: int) -> None:
         """Put this rank's up record back if a forger deleted or changed it (while it waits
