@@ -36,8 +36,8 @@ def test_parse_fault_fields_and_index():
     ("kill:node=1", "missing '@iter=N'"),
     ("kill@iter=3", "missing ':'"),
     ("boom:node=1@iter=2", "kind must be one of kill, stop"),
-    ("kill:host=1@iter=2", "target must be node=N or rank=N"),
-    ("kill:rank@iter=2", "target must be node=N or rank=N"),
+    ("kill:host=1@iter=2", "target must be node=N, rank=N or domain=D"),
+    ("kill:rank@iter=2", "target must be node=N, rank=N or domain=D"),
     ("kill:rank=x@iter=2", "rank must be a non-negative integer"),
     ("kill:rank=-1@iter=2", "rank must be a non-negative integer"),
     ("kill:node=1@iter=", "iter must be a non-negative integer"),
@@ -89,9 +89,9 @@ def test_fault_is_frozen_and_checked():
     f = Fault("kill", 3, node=1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         f.iteration = 4
-    with pytest.raises(ConfigError, match="exactly one of node or rank"):
+    with pytest.raises(ConfigError, match="exactly one of node, rank or domain"):
         Fault("kill", 3, node=1, rank=2)
-    with pytest.raises(ConfigError, match="exactly one of node or rank"):
+    with pytest.raises(ConfigError, match="exactly one of node, rank or domain"):
         Fault("kill", 3)
     with pytest.raises(ConfigError, match="phase"):
         Fault("kill", 3, rank=1, phase="backward")

@@ -3,6 +3,8 @@
     kill:node=1@iter=12                  SIGKILL every process of node 1 at iteration 12
     kill:rank=5@iter=7,phase=optimizer   SIGKILL rank 5 during its optimizer step
     slow:node=2@iter=4,factor=3          a kind's own parameter (``factor=``)
+    poweroff:domain=0@iter=6             every node of failure domain 0 at once (the domains
+                                         of ``--deadpool-failure-domains``: a rack, a switch)
     stop:node=2@t=30                     unstaged: 30 s after training began, from outside
 
 The kinds are ``KINDS``, one ``FaultKind`` entry each: its parameters, its signal sequence
@@ -63,10 +65,13 @@ class Kind(ValueEnum):
 
 
 class Target(ValueEnum):
-    """What a fault hits (``kind:node=N`` or ``kind:rank=N``)."""
+    """What a fault hits (``kind:node=N``, ``kind:rank=N`` or ``kind:domain=D``). A domain
+    is a node fault on every node of the domain in one instant; a kind that can hit a node
+    can hit a domain."""
 
     NODE = "node"
     RANK = "rank"
+    DOMAIN = "domain"
 
 
 @dataclass(frozen=True)
@@ -136,7 +141,9 @@ class FaultKind:
         """Its signals, where it can be delivered and its parameters, in words."""
         terms = [", ".join(s if isinstance(s, str) else f"wait {s.param} s"
                            for s in self.sequence)] if self.sequence else []
-        if len(self.targets) == 1:
+        if self.targets == (Target.NODE,):
+            terms.append("node or domain only")
+        elif len(self.targets) == 1:
             terms.append(f"{self.targets[0]} only")
         if not self.timed:
             terms.append("@iter only")
@@ -182,11 +189,12 @@ def kinds_doc() -> str:
 PHASES = tuple(p.value for p in FAULT_PHASES)
 PARAMS: Dict[str, Param] = {p.name: p for k in KINDS.values() for p in k.params}
 OPTIONS = ("iter", "phase", "t", *PARAMS)  # what may follow the '@'
-FORM = (f"{'|'.join(KINDS)}:node=N|rank=N@iter=N[,phase={'|'.join(PHASES)}]"
+FORM = (f"{'|'.join(KINDS)}:node=N|rank=N|domain=D@iter=N[,phase={'|'.join(PHASES)}]"
         + "".join(f"[,{p.name}={p.symbol}]" for p in PARAMS.values())
         + " or ...@t=SECONDS (unstaged, from outside)")
 TARGETS = tuple(t.value for t in Target)
-TARGET_WORDS = {Target.NODE: "a node", Target.RANK: "one rank"}
+TARGET_WORDS = {Target.NODE: "a node", Target.RANK: "one rank",
+                Target.DOMAIN: "a failure domain"}
 Params = Tuple[Tuple[str, float], ...]
 
 
@@ -200,13 +208,16 @@ def _is_int(v) -> bool:
 
 @dataclass(frozen=True)
 class Fault:
-    """One fault: ``kind`` on a node or a rank (exactly one of them) at ``iteration`` in
-    ``phase``; ``index`` is its position in the schedule."""
+    """One fault: ``kind`` on a node, a rank or a failure domain (exactly one of them) at
+    ``iteration`` in ``phase``; ``index`` is its position in the schedule. A domain fault's
+    ``nodes`` are the domain's nodes, filled in by :func:`resolve_domains` at launch."""
 
     kind: Kind
     iteration: int
     node: Optional[int] = None
     rank: Optional[int] = None
+    domain: Optional[str] = None
+    nodes: Tuple[int, ...] = ()
     phase: Phase = Phase.FORWARD_BACKWARD
     index: int = 0
     at_s: Optional[float] = None  # unstaged: seconds after training began, not a fault point
@@ -220,12 +231,20 @@ class Fault:
             raise ConfigError(f"fault phase must be one of {', '.join(PHASES)}, "
                               f"got {self.phase!r}")
         object.__setattr__(self, "phase", Phase(self.phase))  # JSON gives the value
-        if (self.node is None) == (self.rank is None):
-            raise ConfigError(f"a fault targets exactly one of node or rank, got "
-                              f"node={self.node!r} rank={self.rank!r}")
+        given = [t for t, v in ((Target.NODE, self.node), (Target.RANK, self.rank),
+                                (Target.DOMAIN, self.domain)) if v is not None]
+        if len(given) != 1:
+            raise ConfigError(f"a fault targets exactly one of node, rank or domain, got "
+                              f"node={self.node!r} rank={self.rank!r} domain={self.domain!r}")
+        if self.domain is not None and (not isinstance(self.domain, str) or not self.domain):
+            raise ConfigError(f"fault domain must be a name, got {self.domain!r}")
+        object.__setattr__(self, "nodes", tuple(self.nodes))  # JSON gives a list
+        if not all(_is_int(n) for n in self.nodes):
+            raise ConfigError(f"fault nodes must be integers, got {self.nodes!r}")
         kind = KINDS[self.kind]
-        target = Target.NODE if self.node is not None else Target.RANK
-        if target not in kind.targets:
+        target = given[0]
+        if target not in kind.targets and not (target is Target.DOMAIN
+                                               and Target.NODE in kind.targets):
             only = kind.targets[0]
             raise ConfigError(f"a '{self.kind}' fault targets {TARGET_WORDS[only]} "
                               f"({self.kind}:{only}=N@iter=N)")
@@ -268,7 +287,7 @@ class Fault:
         """Whether the victims' agents send its signals: a node fault (the node in one pass),
         an unstaged one, or a sequence a stopped or dead victim could not finish itself."""
         sequence = KINDS[self.kind].sequence
-        return bool(sequence) and (self.node is not None or self.at_s is not None
+        return bool(sequence) and (self.rank is None or self.at_s is not None
                                    or len(sequence) > 1)
 
     def signal_times(self) -> List[Tuple[float, str]]:
@@ -283,13 +302,23 @@ class Fault:
 
     def targets(self, rank: int, node: int) -> bool:
         """Whether a worker with global ``rank`` running on ``node`` is hit by this fault."""
+        if self.domain is not None:
+            return node in self.nodes
         if self.node is not None:
             return self.node == node
         return self.rank == rank
 
+    def where(self) -> str:
+        """Its target in words: ``node 1``, ``rank 5``, ``domain 0 (nodes 0, 1)``."""
+        if self.domain is not None:
+            return f"domain {self.domain} (nodes {', '.join(map(str, self.nodes))})"
+        return f"node {self.node}" if self.node is not None else f"rank {self.rank}"
+
     def describe(self) -> str:
-        """The spec form of this fault (``parse_fault(f.describe()) == f`` up to index)."""
-        target = f"node={self.node}" if self.node is not None else f"rank={self.rank}"
+        """The spec form of this fault (``parse_fault(f.describe()) == f`` up to index and
+        a domain's resolved nodes)."""
+        target = (f"domain={self.domain}" if self.domain is not None else
+                  f"node={self.node}" if self.node is not None else f"rank={self.rank}")
         params = "".join(f",{name}={v:g}" for name, v in self.params)
         if self.at_s is not None:
             return f"{self.kind}:{target}@t={self.at_s:g}{params}"
@@ -347,9 +376,17 @@ def parse_fault(spec: str, index: int = 0) -> Fault:
         raise _bad(spec, f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     tkey, eq, tval = target.partition("=")
     if not eq or tkey not in TARGETS:
-        raise _bad(spec, f"target must be node=N or rank=N, got {target!r}")
-    tnum = _int(spec, tkey, tval)
-    node, rank = (tnum, None) if tkey == Target.NODE else (None, tnum)
+        raise _bad(spec, f"target must be node=N, rank=N or domain=D, got {target!r}")
+    node = rank = domain = None
+    if tkey == Target.DOMAIN:
+        if not tval or not all(c.isalnum() or c in "-_." for c in tval):
+            raise _bad(spec, f"domain must be a name (letters, digits, '-', '_', '.'), "
+                             f"got {tval!r}")
+        domain = tval
+    elif tkey == Target.NODE:
+        node = _int(spec, tkey, tval)
+    else:
+        rank = _int(spec, tkey, tval)
     fields = _options(spec, tail)
     if "t" in fields:
         if "iter" in fields or "phase" in fields:
@@ -358,16 +395,16 @@ def parse_fault(spec: str, index: int = 0) -> Fault:
             at_s = float(fields["t"])
         except ValueError:
             raise _bad(spec, f"t must be a number of seconds, got {fields['t']!r}") from None
-        return Fault(kind=kind, iteration=0, node=node, rank=rank, index=index, at_s=at_s,
-                     params=_params(spec, fields))
+        return Fault(kind=kind, iteration=0, node=node, rank=rank, domain=domain, index=index,
+                     at_s=at_s, params=_params(spec, fields))
     if "iter" not in fields:
         raise _bad(spec, "missing 'iter=N' after '@'")
     iteration = _int(spec, "iter", fields["iter"])
     phase = fields.get("phase", Phase.FORWARD_BACKWARD.value)
     if phase not in PHASES:
         raise _bad(spec, f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
-    return Fault(kind=kind, iteration=iteration, node=node, rank=rank, phase=phase,
-                 index=index, params=_params(spec, fields))
+    return Fault(kind=kind, iteration=iteration, node=node, rank=rank, domain=domain,
+                 phase=phase, index=index, params=_params(spec, fields))
 
 
 def parse_schedule(specs: Sequence[str]) -> List[Fault]:
@@ -393,6 +430,30 @@ def from_json(s: Optional[str]) -> List[Fault]:
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(f"bad fault schedule JSON: {exc}") from None
+
+
+def resolve_domains(faults: Sequence[Fault], domain_of: Optional[Callable[[int], object]],
+                    total_nodes: int) -> List[Fault]:
+    """The schedule with each domain fault's ``nodes`` filled in: the nodes among
+    ``0..total_nodes-1`` whose domain (``domain_of``, from ``--deadpool-failure-domains``)
+    is named as the fault names it. Refused when no domains are given or none matches."""
+    from dataclasses import replace
+
+    out = []
+    for f in faults:
+        if f.domain is not None:
+            where = f"--inject {f.describe()}"
+            if domain_of is None:
+                raise ConfigError(f"{where}: a domain fault needs --deadpool-failure-domains "
+                                  "in the trainer flags")
+            nodes = tuple(n for n in range(total_nodes) if str(domain_of(n)) == f.domain)
+            if not nodes:
+                names = sorted({str(domain_of(n)) for n in range(total_nodes)})
+                raise ConfigError(f"{where}: no node is in domain {f.domain!r} (the domains "
+                                  f"are {', '.join(names)})")
+            f = replace(f, nodes=nodes)
+        out.append(f)
+    return out
 
 
 def validate_schedule(faults: Sequence[Fault], total_nodes: int, world_size: int,

@@ -58,19 +58,20 @@ class FaultDriver:
     def _deliver(self, f: Fault, t: float, at_iter: int, phase: str) -> None:
         procs = self.decider.procs.values()
         victims = [p for p in procs if p.state not in (ProcState.DEAD, ProcState.DONE)
-                   and (p.node == f.node if f.node is not None else p.rank == f.rank)]
+                   and (p.node in f.nodes if f.domain is not None else
+                        p.node == f.node if f.node is not None else p.rank == f.rank)]
         if f.by_agent:
             self._queue(f, t, victims)
         rec = {"kind": f.kind, "node": f.node, "rank": f.rank,
+               **({"domain": f.domain, "nodes": list(f.nodes)} if f.domain is not None else {}),
                "ranks": sorted(p.rank for p in victims if p.rank is not None),
                "at_iter": at_iter, "phase": phase, "t": t}
         if f.at_s is not None:
             rec["at_s"] = f.at_s
         self.records.append(rec)
-        where = f"node {f.node}" if f.node is not None else f"rank {f.rank}"
         when = (f"at iteration {f.iteration} ({f.phase})" if f.at_s is None else
                 f"{f.at_s:g}s after training began (unstaged, at iteration {at_iter})")
-        self.log(f"injected {f.kind} on {where} {when}")
+        self.log(f"injected {f.kind} on {f.where()} {when}")
 
     def _queue(self, f: Fault, t: float, victims) -> None:
         """Each signal of the fault's sequence at its time (``t`` plus its offset) to each

@@ -24,6 +24,7 @@ from typing import Dict, List, Optional
 from ..membership import store as st
 from ..base.state import Role
 from ..membership.decider import Decider, Proc
+from ..mirror import placement
 from ..recovery.phases import EventSink
 from ..base.worker_env import WorkerEnv
 from .agent import STOP_GRACE_S, NodeAgent, WorkerSpec
@@ -244,9 +245,11 @@ def _join_as_spare(opts: LaunchOptions, cfg, say, out) -> dict:
 def _start_decider(job: Job, specs: List[WorkerSpec], token: str, faults) -> None:
     procs = {s.lid: Proc(lid=s.lid, node=s.node, role=s.role, rank=s.rank, standby=s.standby)
              for s in specs}
+    doms = placement.domains(job.cfg.failure_domains)
     job.decider = Decider(store=job.store, procs=procs, world_size=job.opts.world_size,
                           token=token, send_command=job.coord.push_command,
                           config=job.cfg.decider(), log=job.say,
+                          domain_of=(lambda n: doms.get(n, ("node", n))) if doms else None,
                           emit=EventSink(job.cfg.events_path).emit)
     job.driver = FaultDriver(faults, job.decider, job.coord.push_command, job.say,
                              claim=lambda i: job.store.add(st.k("inject", i), 1) == 1)

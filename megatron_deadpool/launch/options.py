@@ -160,13 +160,7 @@ def validate(opts: LaunchOptions):
             bad = unsupported_argv(opts.trainer_argv, under_ft_launcher())
             if bad:
                 raise UnsupportedConfigError("--deadpool does not support: " + "; ".join(bad))
-    faults = fault_schedule.parse_schedule(opts.inject)
-    if faults and not cfg.enabled:
-        raise ConfigError("--inject needs --deadpool in the trainer flags")
-    if faults:
-        fault_schedule.validate_schedule(faults, total_nodes=opts.nodes + opts.spare_nodes,
-                                 world_size=opts.world_size,
-                                 train_iters=train_iters if train_iters else 10**9)
+    faults = _faults(opts, cfg, train_iters)
     why = replicas_refusal(cfg.replicas, nodes=opts.nodes, spare_nodes=opts.spare_nodes)
     if cfg.enabled and why:
         raise ConfigError(why)
@@ -180,6 +174,23 @@ def validate(opts: LaunchOptions):
         gpus.check(opts.procs_here(cfg.enabled, cfg.standbys_per_node), opts.share_gpu,
                    gpus.visible_gpus())
     return cfg, faults
+
+
+def _faults(opts: LaunchOptions, cfg, train_iters: Optional[int]):
+    """The ``--inject`` schedule, parsed, its domains resolved, checked against the job."""
+    faults = fault_schedule.parse_schedule(opts.inject)
+    if faults and not cfg.enabled:
+        raise ConfigError("--inject needs --deadpool in the trainer flags")
+    if faults:
+        from ..mirror import placement
+
+        doms = placement.domains(cfg.failure_domains)
+        faults = fault_schedule.resolve_domains(faults, doms.get if doms else None,
+                                                opts.nodes + opts.spare_nodes)
+        fault_schedule.validate_schedule(faults, total_nodes=opts.nodes + opts.spare_nodes,
+                                         world_size=opts.world_size,
+                                         train_iters=train_iters if train_iters else 10**9)
+    return faults
 
 
 def _flag_int(argv: List[str], flag: str, default: Optional[int] = None) -> Optional[int]:

@@ -3,7 +3,8 @@ node 0, next to the store. Detection and fencing only: it reads the event queue 
 child exits, completions, fatal errors), watches heartbeats, fences hung processes through
 their node agent, and on failure publishes the next generation's plan (``plan.next_plan``)::
 
-    failure seen ──► window (collect the rest of the node: procs.window_over) ──► next_plan
+    failure seen ──► window (collect the rest of the node, or of its failure domain when
+                     domains are given: procs.window_over) ──► next_plan
         ──► write dp/plan/{g+1} ──► bump dp/latest  (workers' watchers abort their groups)
 
 Time comes from an injectable ``clock``, so tests advance it instead of sleeping.
@@ -15,7 +16,7 @@ import collections
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, Hashable, List, Optional, Set
 
 from ..base.config import DeciderConfig
 from ..base.errors import NoSpareError, StopReason
@@ -43,6 +44,8 @@ class Decider:
     # faults to the node's other processes and records them).
     on_fault: Callable[[dict], None] = lambda ev: None
     emit: Callable[..., None] = lambda event, **fields: None  # --deadpool-events
+    # a node's failure domain (--deadpool-failure-domains); None: each node its own
+    domain_of: Optional[Callable[[int], Hashable]] = None
 
     def __post_init__(self):
         self.cursor = 0
@@ -109,7 +112,8 @@ class Decider:
             self._last_hb_poll = now
             self._poll_heartbeats(now)
         if self.pending_dead and window_over(self.procs, self.pending_dead, self.pending_exits,
-                                             now - self.first_dead_t, self.config):
+                                             now - self.first_dead_t, self.config,
+                                             self.domain_of):
             self._replan()
         elif not self.pending_dead and self.coord.generation_done(self.plans[-1]) and \
                 (req := self.drains.take()) is not None:  # a planned swap (drain.py)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Set, Tuple
 
 from ..base.sections import GIL_SECTIONS, Section
 from ..base.state import Role, WorkerState
@@ -111,16 +111,20 @@ def hung(p: Proc, now: float, cfg, gen: int, plan_t: float) -> Optional[Tuple[st
 
 
 def window_over(procs: Dict[int, Proc], dead: Set[int], exited: Set[int], waited_s: float,
-                cfg) -> bool:
+                cfg, domain_of: Optional[Callable[[int], Hashable]] = None) -> bool:
     """Whether the window after the first death (``dead``: declared since the last plan,
     ``exited``: those seen as exits) is over, so that one plan covers the whole failure.
     At once when every process of each node with an exit is dead (fenced and lost nodes
     need none: the heartbeat scan saw them all together); else after ``cfg.grace_s``. One
     policy for every failure: an injected node loss reaches all of a node's processes in
-    one pass of its agent, as a real one does (launch/fault_driver.py). Pure."""
+    one pass of its agent, as a real one does (launch/fault_driver.py). With failure domains
+    (``domain_of``: a node's domain) the unit is the domain, not the node: a rack lost at
+    once goes in one plan, and a lone node's loss waits up to ``cfg.grace_s`` for the rest
+    of its domain (the cost of the domains). Pure."""
     live = (ProcState.ALIVE, ProcState.STARTING)
-    nodes = {procs[lid].node for lid in dead & exited}
-    if not any(p.node in nodes and p.state in live for p in procs.values()):
+    unit = domain_of or (lambda n: n)
+    units = {unit(procs[lid].node) for lid in dead & exited}
+    if not any(unit(p.node) in units and p.state in live for p in procs.values()):
         return True
     return waited_s >= cfg.grace_s
 
