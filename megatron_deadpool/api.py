@@ -121,7 +121,7 @@ class Deadpool:
                       cfg.collective_timeout_s, sink.emit,
                       gloo_op_timeout_s=cfg.gloo_op_timeout_s,
                       regroup_timeout_s=cfg.regroup_timeout_s,
-                      keep_groups=not cfg.rebuild_all_groups)
+                      keep_groups=not cfg.rebuild_all_groups, secret=secret)
         settings = MirrorSettings(
             replicas=cfg.replicas, create_timeout_s=cfg.rendezvous_timeout_s,
             op_timeout_s=cfg.gloo_op_timeout_s, transport=cfg.mirror_transport,

@@ -76,9 +76,12 @@ def _layouts(n, seed):
 def fake_world(monkeypatch):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    # every member gave the same account: keep iff it is a "keep:" one
-    monkeypatch.setattr(repair, "vote", lambda store, name, size, account, t: account
-                        .startswith("keep"))
+    def settle(replay):  # every member gave the same account: keep iff a "keep:" one
+        for key, old in replay.old.groups.items():
+            if not set(key[0]) & replay.failed and key[1] in ("", "gloo"):
+                replay.verdicts[key] = repair.group_ops.digest(
+                    old.group_name, replay.me, key[0]).startswith("keep")
+    monkeypatch.setattr(repair.Replay, "settle", settle)
 
     def make(rank, world, kwargs, plan0):
         w = World("fake", 1, 30.0, 30.0, emit=lambda *a, **k: None)
@@ -162,27 +165,82 @@ def test_accounts():
     group_ops.forget(name)
 
 
+KEY = ((0, 1, 2), "gloo", 0)
+
+
+class _Swapped:
+    """A rank's store on which ``swap(key, value)`` replaces what it writes (a forger who
+    wrote over it before any reader saw it); None leaves the value."""
+
+    def __init__(self, raw, swap):
+        self.raw, self.swap = raw, swap
+
+    def __getattr__(self, name):
+        op = getattr(self.raw, name)
+        if name != "set":
+            return op
+        return lambda key, value: op(key, self.swap(key, value) or value)
+
+
+def _settle(accounts, monkeypatch, swap=None, secret="job-secret"):
+    """Each member's verdict on one group of three, from one signed round among threads
+    (each its own store connection, as each process has); ``swap`` on rank 1's writes."""
+    from megatron_deadpool.mirror import rounds as rounds_mod
+
+    monkeypatch.setattr(rounds_mod, "GRACE_S", 0.3)
+    monkeypatch.setattr(rounds_mod, "SLICE_S", 0.1)
+    monkeypatch.setattr(repair.group_ops, "digest", lambda name, me, members: accounts[me])
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    group = type("G", (), {"group_name": "7"})()
+    got, lids = {}, {r: 10 + r for r in range(3)}
+
+    def member(i):
+        client = dist.PrefixStore("repair/", dist.TCPStore("127.0.0.1", store.port,
+                                                           is_master=False))
+        if swap is not None and i == 1:
+            client = _Swapped(client, swap)
+        rounds = rounds_mod.StoreRounds(client, i, 3, 10.0, secret, gen=1)
+        replay = repair.Replay(gen=1, me=i, lids=lids, failed=set(), rounds=rounds,
+                               old=repair.Book(groups={KEY: group}, lids=dict(lids)))
+        replay.settle()
+        got[i] = replay.verdicts.get(KEY, False)
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return got
+
+
 @pytest.mark.parametrize("accounts,keep", [
     (["keep:7:c3"] * 3, True),
     (["keep:7:c3", "keep:7:c3", "keep:7:c4"], False),
     (["keep:7:c3", "open", "keep:7:c3"], False),
     (["new"] * 3, False),
 ])
-def test_the_vote(accounts, keep):
-    """One store round; every member gets the same verdict."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    got = {}
+def test_the_vote(accounts, keep, monkeypatch):
+    """One signed round decides the group; every member gets the same verdict."""
+    assert _settle(accounts, monkeypatch) == {i: keep for i in range(3)}
 
-    def member(i):  # each member its own connection, as each process has
-        client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
-        got[i] = repair.vote(dist.PrefixStore("repair/", client), "42", len(accounts),
-                             accounts[i], 10.0)
-    threads = [threading.Thread(target=member, args=(i,)) for i in range(len(accounts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    assert got == {i: keep for i in range(len(accounts))}
+
+def test_a_forged_keep_vote_is_refused_named_and_the_group_rebuilt(monkeypatch, caplog):
+    """Issue 58: rank 1 had an operation in flight (its account differs), and a store client
+    without the secret writes over rank 1's vote, as it is written, a well-formed vote that
+    agrees with the others (sealed with another key). The forged record fails its MAC and is
+    named; every member rebuilds the group (with the check gone, all three kept it)."""
+    from megatron_deadpool.mirror import round_records as rr
+    from megatron_deadpool.mirror.rounds import PREFIX
+
+    t, h = repair.topic(KEY), repair.account_hash("keep:7:c3")
+    adds = {f"{t}/n": 1, f"{t}/s": h, f"{t}/q": h * h, f"{t}/no": 0}
+    forged = rr.seal("not-the-job-secret", "up", 1, 1, "keep", **{"from": 1}, posts={},
+                     adds=adds, reads=[], counts=sorted(adds), forged={})
+    caplog.set_level("WARNING")
+    got = _settle(["keep:7:c3", "keep:7:c4", "keep:7:c3"], monkeypatch,
+                  swap=lambda key, value: forged if key == f"{PREFIX}1/u/1" else None)
+    assert got == {0: False, 1: False, 2: False}
+    assert "every group is rebuilt" in caplog.text
+    assert "forged by someone without the job secret (rank 1" in caplog.text
 
 
 def test_groups_made_outside_the_build_leave_the_registry(fake_world):

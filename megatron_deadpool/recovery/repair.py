@@ -15,10 +15,18 @@ members vote to keep it:
     none unfinished, and in a group of two the same messages each way. A group that the
     failure caught with an operation in flight is rebuilt although its members live.
 
-A vote is one round on the generation's store: ``compare_set`` (the first account written
-wins, each later member compares), ``add`` (arrivals, and a mismatch flag), the last to
-arrive writes the verdict, everyone reads it: four or five operations per member and group,
-never a connection. A call this rank is not a member of makes nothing and does not reach
+The votes are one signed store round for all the groups at once (``settle``, before the
+replay; mirror/rounds.py: a tree of fan-out 4, every record sealed with the job secret,
+at most ``rounds.MAX_OPS_PER_ROUND`` store operations per rank, at any W and any number of
+groups). Each member of each group that held no lost rank adds, under the group's topic,
+1 (an arrival), its account's hash h and h², and 1 if it cannot keep the group; every
+member reads the group's totals, the same on every member, and keeps the group iff all
+``size`` members arrived, none said no and (sum h)² = n · sum h² (Cauchy-Schwarz: all the
+hashes are equal). A record forged or changed by a store client without the secret fails
+the round on every member (ForgedRecordError): then every group is rebuilt, and the
+forged record is named in the log. (Before issue 58: one unsigned round per group,
+``compare_set``, ``add``, ``set``, ``wait``, ``get``: four or five operations per member
+and group, and a written ``keep`` kept an unsettled group.) A call this rank is not a member of makes nothing and does not reach
 torch's ``new_group`` (which would make nothing either: torch connects only members and
 ``TORCH_DIST_INIT_BARRIER`` is off), so a rank's replay costs O(groups it is in) in torch,
 not O(every group of the job). Every group made in a replay gets a c10d name
@@ -26,13 +34,15 @@ fixed by its generation and call index (``name_next``), so that a promoted spare
 process has no history, and the survivors, whose counters moved, name it alike.
 
     abort (default group's connections) ─► retire (megatron forgets; nothing destroyed)
-    ─► rendezvous (new default group) ─► replay: kept | voted | rebuilt ─► dropped groups:
+    ─► rendezvous (new default group) ─► settle (one signed round: every group's verdict)
+    ─► replay: kept | rebuilt ─► dropped groups:
     connections shut, unregistered, handed to the reaper
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import logging
 from dataclasses import dataclass, field
@@ -40,13 +50,13 @@ from datetime import timedelta
 from typing import Dict, List, Optional, Set, Tuple
 
 from ..base import counts
+from ..base.errors import ForgedRecordError
 from . import abort as ab
 from . import group_ops
 
 NAME_SPAN = 100_000        # c10d names of generation g's groups: g * NAME_SPAN + index
 DEFAULT_AT = NAME_SPAN - 1  # the default group's index
 AFTER_REPLAY = NAME_SPAN // 2  # groups made after the replay (the mirror's gloo group)
-BAD = 1 << 20              # a vote's mismatch flag, added to the arrivals' count
 
 Key = Tuple[Tuple[int, ...], str, int]
 log = logging.getLogger(__name__)
@@ -72,17 +82,14 @@ def name_next(gen: int, index: int) -> None:
     c10d._world.group_count = gen * NAME_SPAN + index
 
 
-def vote(store, name: str, size: int, account: str, timeout_s: float) -> bool:
-    """One store round among a group's ``size`` members: True (keep) iff every member's
-    ``account`` is the same "keep:..." string."""
-    first = store.compare_set(f"{name}/a", "", account)
-    first = first.decode() if isinstance(first, bytes) else str(first)
-    n = store.add(f"{name}/n", 1 + (BAD if first != account else 0))
-    if n % BAD == size:  # the last to arrive
-        keep = n < BAD and account.startswith("keep")
-        store.set(f"{name}/v", "keep" if keep else "rebuild")
-    store.wait([f"{name}/v"], timedelta(seconds=timeout_s))
-    return store.get(f"{name}/v") == b"keep"
+def topic(key: "Key") -> str:
+    """A group's topic in the settling round: short, the same on every member."""
+    members, backend, n = key
+    return "g" + hashlib.sha256(f"{members}|{backend}|{n}".encode()).hexdigest()[:16]
+
+
+def account_hash(account: str) -> int:
+    return int(hashlib.sha256(account.encode()).hexdigest()[:15], 16)
 
 
 @dataclass
@@ -94,11 +101,38 @@ class Replay:
     lids: Dict[int, int]            # rank -> lid in the plan being formed
     failed: Set[int]                # the plan's failed ranks
     old: Book
-    store: object = None            # the votes' store (the generation's); None: no votes
-    timeout_s: float = 60.0
+    rounds: object = None           # the votes' signed rounds (the generation's); None: none
     new: Book = field(default_factory=Book)
     calls: int = 0
     seen: Dict[tuple, int] = field(default_factory=dict)
+    verdicts: Dict[Key, bool] = field(default_factory=dict)  # settle's: key -> keep
+
+    def settle(self) -> None:
+        """Every old group's verdict in one signed round (module docstring). Every rank of
+        the generation takes part, a promoted spare too (it holds no old group: it adds
+        nothing). A forged record: every group is rebuilt, on every member alike."""
+        if self.rounds is None:
+            return
+        adds, sizes = {}, {}
+        for key, old in self.old.groups.items():
+            members, backend, _ = key
+            if set(members) & self.failed or backend not in ("", "gloo"):
+                continue
+            same = all(self.old.lids.get(r) == self.lids.get(r) for r in members)
+            account = group_ops.digest(old.group_name, self.me, members) if same else "new"
+            h, t = account_hash(account), topic(key)
+            adds.update({f"{t}/n": 1, f"{t}/s": h, f"{t}/q": h * h,
+                         f"{t}/no": 0 if account.startswith("keep") else 1})
+            sizes[key] = len(members)
+        try:
+            _, n = self.rounds.round(adds=adds, read_counts=sorted(adds), what="keep")
+        except ForgedRecordError as exc:
+            log.warning("%s: every group is rebuilt", exc)
+            return
+        for key, size in sizes.items():
+            t = topic(key)
+            got, s_, q = n[f"{t}/n"], n[f"{t}/s"], n[f"{t}/q"]
+            self.verdicts[key] = got == size and n[f"{t}/no"] == 0 and s_ * s_ == got * q
 
     def call(self, original, arguments: dict, args, kwargs):
         import torch.distributed as dist
@@ -115,7 +149,7 @@ class Replay:
             name_next(self.gen, index + 1)  # skipped alike (what torch's count would be)
             return dist.GroupMember.NON_GROUP_MEMBER
         old = self.old.groups.get(key)
-        if self._keep(old, name, members, backend):
+        if old is not None and self.verdicts.get(key):
             self.new.groups[key] = old
             self.new.sockets[id(old)] = self.old.sockets.get(id(old), set())
             counts.add("groups_kept")
@@ -129,17 +163,6 @@ class Replay:
         if self.old.groups:  # a survivor's rebuild, not a first build
             _count_rebuilt(len(members), unsettled=not (set(members) & self.failed))
         return group
-
-    def _keep(self, old, name: str, members: tuple, backend: str) -> bool:
-        if self.store is None or set(members) & self.failed or backend not in ("", "gloo"):
-            return False
-        same = old is not None and all(self.old.lids.get(r) == self.lids.get(r)
-                                       for r in members)
-        account = group_ops.digest(old.group_name, self.me, members) if same else "new"
-        keep = vote(self.store, name, len(members), account, self.timeout_s)
-        log.debug("group %s %s: %s (this rank's account: %s)", name, list(members),
-                 "kept" if keep else "rebuilt", account)
-        return keep
 
     def dropped(self) -> List[object]:
         """The old build's groups this replay did not keep (each once)."""

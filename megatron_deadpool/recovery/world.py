@@ -73,7 +73,8 @@ class World:
     def __init__(self, backend: str, store_port: int, rendezvous_timeout_s: float,
                  collective_timeout_s: float, emit: Callable[..., None],
                  gloo_op_timeout_s: Optional[float] = None,
-                 regroup_timeout_s: Optional[float] = None, keep_groups: bool = True):
+                 regroup_timeout_s: Optional[float] = None, keep_groups: bool = True,
+                 secret: str = ""):
         self.backend, self.store_port = backend, store_port
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.collective_timeout_s = collective_timeout_s
@@ -82,6 +83,7 @@ class World:
         self._form_timeout_s = rendezvous_timeout_s  # of the generation being formed
         self._long = False  # groups at the collective timeout (set_collective_timeouts)
         self.emit = emit
+        self.secret = secret  # the job's: it seals the keep votes' records (repair.settle)
         self.mp_kwargs: Optional[dict] = None  # initialize_model_parallel's, recorded
         self.aborted = False
         self._live_gen: Optional[int] = None
@@ -189,6 +191,7 @@ class World:
             return
         replay = self._replay()
         try:
+            replay.settle()
             with repair.repairing(replay), shared_gloo_groups(self.backend, timeout), \
                     ab.communicator_sockets():
                 groups.initialize(**kwargs)
@@ -207,13 +210,16 @@ class World:
 
         plan = self.plan
         lids = {r: lid for lid, r in plan.rank_of.items()} if plan is not None else {}
-        store = None
+        rounds = None
         if plan is not None and plan.gen > 0:  # the first generation has nothing to keep
-            store = dist.PrefixStore("repair/", c10d._get_default_store())
+            from ..mirror.rounds import StoreRounds
+
+            rounds = StoreRounds(dist.PrefixStore("repair/", c10d._get_default_store()),
+                                 dist.get_rank(), dist.get_world_size(), self._form_timeout_s,
+                                 self.secret, plan.gen)
         return repair.Replay(gen=plan.gen if plan is not None else 0, me=dist.get_rank(),
                              lids=lids, failed=set(plan.failed_ranks) if plan else set(),
-                             old=self.book, store=store, timeout_s=self._form_timeout_s,
-                             new=repair.Book(lids=dict(lids)))
+                             old=self.book, rounds=rounds, new=repair.Book(lids=dict(lids)))
 
     def kept(self) -> set:
         """The ids of the groups of the last complete build (a recovery's kept ones)."""
