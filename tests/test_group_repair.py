@@ -232,7 +232,7 @@ def test_a_forged_keep_vote_is_refused_named_and_the_group_rebuilt(monkeypatch, 
     from megatron_deadpool.mirror.rounds import PREFIX
 
     t, h = repair.topic(KEY), repair.account_hash("keep:7:c3")
-    adds = {f"{t}/n": 1, f"{t}/s": h, f"{t}/q": h * h, f"{t}/no": 0}
+    adds = {f"{t}/n": 1, f"{t}/s": h}
     forged = rr.seal("not-the-job-secret", "up", 1, 1, "keep", **{"from": 1}, posts={},
                      adds=adds, reads=[], counts=sorted(adds), forged={})
     caplog.set_level("WARNING")

@@ -19,10 +19,11 @@ The votes are one signed store round for all the groups at once (``settle``, bef
 replay; mirror/rounds.py: a tree of fan-out 4, every record sealed with the job secret,
 at most ``rounds.MAX_OPS_PER_ROUND`` store operations per rank, at any W and any number of
 groups). Each member of each group that held no lost rank adds, under the group's topic,
-1 (an arrival), its account's hash h and h², and 1 if it cannot keep the group; every
-member reads the group's totals, the same on every member, and keeps the group iff all
-``size`` members arrived, none said no and (sum h)² = n · sum h² (Cauchy-Schwarz: all the
-hashes are equal). A record forged or changed by a store client without the secret fails
+an arrival (1, or 1 + ``NO`` if it cannot keep the group) and its account's 60-bit hash h;
+every member reads the group's two totals, the same on every member, and keeps the group
+iff the arrivals are exactly ``size`` (all came, none said no) and the hashes sum to
+``size`` times its own (all equal: a different account that made the mean its own hash by
+chance, 2^-60, is the only way two members could decide apart). A record forged or changed by a store client without the secret fails
 the round on every member (ForgedRecordError): then every group is rebuilt, and the
 forged record is named in the log. (Before issue 58: one unsigned round per group,
 ``compare_set``, ``add``, ``set``, ``wait``, ``get``: four or five operations per member
@@ -88,6 +89,9 @@ def topic(key: "Key") -> str:
     return "g" + hashlib.sha256(f"{members}|{backend}|{n}".encode()).hexdigest()[:16]
 
 
+NO = 1 << 20  # a member's "no", added to its group's arrivals
+
+
 def account_hash(account: str) -> int:
     return int(hashlib.sha256(account.encode()).hexdigest()[:15], 16)
 
@@ -113,7 +117,7 @@ class Replay:
         nothing). A forged record: every group is rebuilt, on every member alike."""
         if self.rounds is None:
             return
-        adds, sizes = {}, {}
+        adds, mine = {}, {}
         for key, old in self.old.groups.items():
             members, backend, _ = key
             if set(members) & self.failed or backend not in ("", "gloo"):
@@ -121,18 +125,17 @@ class Replay:
             same = all(self.old.lids.get(r) == self.lids.get(r) for r in members)
             account = group_ops.digest(old.group_name, self.me, members) if same else "new"
             h, t = account_hash(account), topic(key)
-            adds.update({f"{t}/n": 1, f"{t}/s": h, f"{t}/q": h * h,
-                         f"{t}/no": 0 if account.startswith("keep") else 1})
-            sizes[key] = len(members)
+            adds.update({f"{t}/n": 1 + (0 if account.startswith("keep") else NO),
+                         f"{t}/s": h})
+            mine[key] = h
         try:
             _, n = self.rounds.round(adds=adds, read_counts=sorted(adds), what="keep")
         except ForgedRecordError as exc:
             log.warning("%s: every group is rebuilt", exc)
             return
-        for key, size in sizes.items():
-            t = topic(key)
-            got, s_, q = n[f"{t}/n"], n[f"{t}/s"], n[f"{t}/q"]
-            self.verdicts[key] = got == size and n[f"{t}/no"] == 0 and s_ * s_ == got * q
+        for key, h in mine.items():
+            size, t = len(key[0]), topic(key)
+            self.verdicts[key] = n[f"{t}/n"] == size and n[f"{t}/s"] == size * h
 
     def call(self, original, arguments: dict, args, kwargs):
         import torch.distributed as dist
