@@ -69,11 +69,16 @@ def test_the_store_server_serves_every_ranks_operations_one_after_another():
             == pytest.approx(2 * big[key])
     for ph in ("detect", "abort", "first_step"):
         assert laws[ph](512) == laws[ph](100000)
-    votes = laws["rebuild_groups"].terms(100000)["store_server (keep votes of the unbroken "
-                                                 "groups)"]
+    terms, u = laws["rebuild_groups"].terms(100000), laws["rebuild_groups"].unit
     plan = sim_scale.plans_for((100000,), 4, 8, 4, log=None)[100000]
-    assert votes == pytest.approx(5 * (plan["members_total"] - plan["rebuilt_members_total"])
-                                  * laws["rebuild_groups"].unit["store_server_op_s"])
+    # the keep votes: one round of every rank, at most MAX_OPS_PER_ROUND operations each
+    from megatron_deadpool.mirror.rounds import MAX_OPS_PER_ROUND
+
+    assert terms["store_server (keep votes: one round of every rank)"] == pytest.approx(
+        100000 * MAX_OPS_PER_ROUND * u["store_server_op_s"])
+    kept = plan["members_total"] - plan["rebuilt_members_total"]
+    assert terms["store_server (keep votes: the round's bytes)"] == pytest.approx(
+        2 * kept * u["keep_round_bytes_per_group"] * 9 / u["store_server_bytes_s"])
 
 
 def test_the_rendezvous_serves_each_survivor_a_delta_and_each_spare_the_plan():

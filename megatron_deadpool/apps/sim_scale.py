@@ -18,7 +18,11 @@ one list; the table and docs/simulator.md are derived from it).
                                  busiest survivor rebuilds: megatron-core's groups that held a
                                  rank of the lost node (apps/group_plan.py, computed for the
                                  layout at W, never extrapolated), one after another + the
-                                 store server serving their members' operations
+                                 store server serving their members' operations + the keep
+                                 votes: one signed round of every rank (recovery/repair.py:
+                                 MAX_OPS_PER_ROUND operations each) and its records' bytes
+                                 (an upper bound: every kept membership's counters at every
+                                 level of the rounds' tree, up and down)
     restore_state                the count law + the store server serving every rank's round
                                  operations (the busiest survivor's count for every rank: an
                                  upper bound) + the shard's bytes over the link (sim.py); the
@@ -50,6 +54,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..base.errors import DeadpoolError
 from ..base.vocabulary import PHASE_ORDER
+from ..mirror.rounds import FANOUT, MAX_OPS_PER_ROUND
 from . import group_plan, sim_counts
 
 DATA = Path(__file__).resolve().parents[2] / "docs" / "data"
@@ -98,9 +103,14 @@ def units(store_rate: Optional[Mapping] = None) -> List[Unit]:
         Unit("store_ops_per_group_member", 2.0, "operations", "assumed",
              "torch's NCCL group creation: the group's first rank sets the unique id, every "
              "member reads it and takes part in the creation's store barrier"),
-        Unit("store_ops_per_keep_vote", 5.0, "operations", "counted in the code",
-             "recovery/repair.py's vote: compare_set, add, set (the last member), wait, get, "
-             "for every member of every group that held no lost rank"),
+        Unit("store_ops_per_keep_round", float(MAX_OPS_PER_ROUND), "operations",
+             "counted in the code", "recovery/repair.py's keep votes: one signed round of "
+             "the mirror's tree (mirror/rounds.py) for every group at once, at most "
+             "MAX_OPS_PER_ROUND store operations per rank (before issue 58: 4 or 5 per "
+             "member of every unbroken group)"),
+        Unit("keep_round_bytes_per_group", float(keep_counter_bytes()), "bytes",
+             "counted in the code", "one kept group's two counters (arrivals, hash sum) in "
+             "a round record, as JSON (repair.topic, a 60-bit hash times a group of 100,000)"),
         Unit("steady_store_ops_per_rank_s", steady_ops_per_rank_s(), "operations/s",
              "counted in the code", "while training: each rank's watcher and heartbeat and "
              "the decider's heartbeat scan (sim_scale.steady_ops_per_rank_s)"),
@@ -113,6 +123,15 @@ def units(store_rate: Optional[Mapping] = None) -> List[Unit]:
              f"a {rate.get('cpu_cores')}-core machine ({rate.get('date', 'date not recorded')})"
              "; a datacenter host serves more"),
     ]
+
+
+def keep_counter_bytes() -> int:
+    """One kept group's counters in a keep round's record (recovery/repair.py), as JSON."""
+    from ..recovery import repair
+
+    t = repair.topic(((0, 1), "gloo", 0))
+    return len(json.dumps({f"{t}/n": 100000, f"{t}/s": (2 ** 60 - 1) * 100000},
+                          separators=(",", ":"))) - 1
 
 
 def load_store_rate(path: Path = STORE_RATE_FILE) -> Dict:
@@ -254,8 +273,11 @@ class ScaleLaw:
                        for g in groups},
                     "store_server (members of the rebuilt groups)": u["store_server_op_s"]
                     * plan["rebuilt_members_total"] * u["store_ops_per_group_member"],
-                    "store_server (keep votes of the unbroken groups)": u["store_server_op_s"]
-                    * kept * u["store_ops_per_keep_vote"]}
+                    "store_server (keep votes: one round of every rank)": server
+                    * u["store_ops_per_keep_round"],
+                    "store_server (keep votes: the round's bytes)": 2 * kept
+                    * u["keep_round_bytes_per_group"] * math.ceil(math.log(w, FANOUT))
+                    / u["store_server_bytes_s"]}
         out = {"count_law": c.units.phase_s(self.phase, counted)}
         if self.phase == "abort":
             out["nccl_abort"] = u["nccl_abort_s"]
