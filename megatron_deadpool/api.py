@@ -121,7 +121,8 @@ class Deadpool:
                       cfg.collective_timeout_s, sink.emit,
                       gloo_op_timeout_s=cfg.gloo_op_timeout_s,
                       regroup_timeout_s=cfg.regroup_timeout_s,
-                      keep_groups=not cfg.rebuild_all_groups, secret=secret)
+                      keep_groups=not cfg.rebuild_all_groups, secret=secret,
+                      node_store=member.coord.node_store)
         settings = MirrorSettings(
             replicas=cfg.replicas, create_timeout_s=cfg.rendezvous_timeout_s,
             op_timeout_s=cfg.gloo_op_timeout_s, transport=cfg.mirror_transport,
@@ -131,7 +132,8 @@ class Deadpool:
         # a launched job reports what the mirror costs (progress line, rank results, bench)
         meter = Meter() if env.results_dir or cfg.events_path else NO_METER
         return Runtime(cfg, env, member, world, Attachment(settings, meter, sink.emit),
-                       Links(settings, meter), sink, with_cuda=self.device.type == "cuda")
+                       Links(settings, meter, records=world.record_stores), sink,
+                       with_cuda=self.device.type == "cuda")
 
     @property
     def rank(self) -> int:

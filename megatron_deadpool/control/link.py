@@ -86,8 +86,10 @@ class Links:
     """The current generation's link, replaced by each recovery; ``abort`` may come from any
     thread (``World.on_abort``: the transport's own sockets are not abort.py's)."""
 
-    def __init__(self, settings: MirrorSettings, meter: meters.NullMeter = meters.NO_METER):
+    def __init__(self, settings: MirrorSettings, meter: meters.NullMeter = meters.NO_METER,
+                 records: Optional[Callable[[Plan], Callable[[int], Any]]] = None):
         self.settings, self.meter = settings, meter
+        self.records = records  # plan -> where each rank's round records are (World's)
         self.current: Optional[Link] = None
         self._retired: Optional[Link] = None
         self.refused = 0  # mirror connections refused by earlier generations' listeners
@@ -101,7 +103,8 @@ class Links:
 
         s, store = self.settings, c10d._get_default_store()  # this generation's (world.py)
         rank, world = c10d.get_rank(), c10d.get_world_size()
-        rounds = StoreRounds(store, rank, world, s.op_timeout_s, s.secret, plan.gen)
+        rounds = StoreRounds(store, rank, world, s.op_timeout_s, s.secret, plan.gen,
+                             at=self.records(plan) if self.records else None)
         transport = create_transport(s.transport_name, TransportContext(
             store, rank, world, rounds, s.store_host, s.secret, plan.gen, s.op_timeout_s,
             create_timeout_s=s.create_timeout_s, communicator=self._communicator))

@@ -60,10 +60,20 @@ class NodeAgent:
         # a simulated power loss (fault kind poweroff): the agent is gone with its workers,
         # so it reports nothing more, neither exits nor heartbeats, and takes no command
         self.powered_off = False
+        self.record_store = None  # this node's record store's server (_serve_records)
 
     def start(self) -> None:
+        if self.use_store and self.coord is not None:
+            self._serve_records()
         for w in self.workers:
             self.spawn(w)
+
+    def _serve_records(self) -> None:
+        """This node's record store, published before any of its workers starts (issue 57):
+        the round records its ranks read (mirror/rounds.py) are kept here, not on the job's
+        one store, so each server carries O(its node's ranks) of every round."""
+        self.record_store, host, port = st.serve_records(self.job_env.store_host)
+        self.coord.publish_node_store(self.node, host, port)
 
     def spawn(self, w: WorkerSpec) -> None:
         """Start one worker process (also later: a replacement spare on this node)."""
@@ -129,6 +139,7 @@ class NodeAgent:
                 if cmd.get("power_off"):
                     self.kill_all()
                     self.powered_off = True
+                    self.record_store = None  # its record store goes down with it
                     with self._out_lock:
                         self.out.write(f"[agent n{self.node}] powered off: agent and "
                                        "processes gone, nothing more is reported\n")

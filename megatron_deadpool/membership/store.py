@@ -18,6 +18,7 @@ below marked (signed) is sealed with the job secret for its slot (``auth.py``). 
     dp/ready/{g}, .../all          abortable barrier before g's restore: every member, a
                                    promoted spare too, can receive (model built)
     dp/hb/{lid}, dp/agent_hb/{n}   worker and node-agent heartbeats (signed)
+    dp/node_store/{n}             where node n's agent serves its ranks' round records (signed)
     dp/cmd/{node}/n, .../{i}       commands for a node agent (signed, node and i; CommandOp)
     dp/inject/{i}                  counter: the first process to reach fault i claims it
     dp/report/{g}/{r}, boundary/.. rank r's recovery timings of generation g, the iteration
@@ -29,6 +30,7 @@ below marked (signed) is sealed with the job secret for its slot (``auth.py``). 
 from __future__ import annotations
 
 import enum
+import logging
 import re
 import secrets
 import socket
@@ -43,6 +45,8 @@ from ..base.plan import delta as plan_delta
 from . import auth
 from . import records
 from .records import CountedQueue, OwnedSlots, get_now, peek
+
+log = logging.getLogger(__name__)
 
 ROOT = "dp/"
 # A request nonce names a store key (dp/admit/{lid}/{nonce}, ...): a genuine one is
@@ -93,6 +97,30 @@ def connect(host: str, port: int, timeout_s: float = 60.0, is_master: bool = Fal
         fd = sock.detach()
     return TCPStore(host, port, is_master=is_master, wait_for_workers=False,
                     timeout=timedelta(seconds=timeout_s), master_listen_fd=fd)
+
+
+def serve_records(facing: str, timeout_s: float = 60.0):
+    """A store server for a node's round records (``Coordinator.publish_node_store``), on
+    the interface this host reaches ``facing`` (the job's store host) by, at a free port.
+    Returns (server, host, port)."""
+    from torch.distributed import TCPStore
+
+    probe = socket.socket(socket.AF_INET6 if ":" in facing else socket.AF_INET,
+                          socket.SOCK_DGRAM)
+    try:
+        probe.connect((facing, 9))  # no packet is sent: it only picks the route
+        host = probe.getsockname()[0]
+    except OSError:
+        host = facing
+    finally:
+        probe.close()
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.bind((host, 0))
+    sock.listen(1024)
+    port = sock.getsockname()[1]
+    server = TCPStore(host, port, is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.detach())
+    return server, host, port
 
 
 class Coordinator:
@@ -327,6 +355,30 @@ class Coordinator:
 
     def agent_beat(self, node: int, seq: int) -> None:
         self.raw.set(k("agent_hb", node), auth.seal(self.secret, {"node": node, "seq": seq}))
+
+    def publish_node_store(self, node: int, host: str, port: int) -> None:
+        """Node ``node``'s record store (``launch/agent.py``): its agent serves the round
+        records that its ranks read (mirror/rounds.py), so that no one server carries
+        every rank's rounds (issue 57)."""
+        self.raw.set(k("node_store", node), auth.seal(self.secret, {"node": node, "host": host,
+                                                                    "port": port}))
+
+    def node_store(self, node: int) -> Optional[Tuple[str, int]]:
+        """(host, port) of node ``node``'s record store; None when it published none or the
+        record does not verify (then its ranks' records stay on the generation's store)."""
+        raw = get_now(self.raw, k("node_store", node))
+        if raw is None:
+            return None
+        try:
+            body = auth.open_(self.secret, raw, node=node)
+            host, port = body["host"], body["port"]
+        except (auth.AuthError, KeyError):
+            log.warning("node %s's record store address does not verify: its ranks' round "
+                        "records stay on the generation's store", node)
+            return None
+        if not isinstance(host, str) or not isinstance(port, int) or not 0 < port < 65536:
+            return None
+        return host, port
 
     def agent_heartbeat(self, node: int) -> Optional[int]:
         raw = get_now(self.raw, k("agent_hb", node))

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..base import counts
 from ..base.errors import ForgedRecordError, TransportTimeout
@@ -88,15 +88,26 @@ class StoreRounds:
     kind = "store"
 
     def __init__(self, store, rank: int, world_size: int, timeout_s: float = 600.0,
-                 secret: Optional[str] = None, gen: int = 0):
+                 secret: Optional[str] = None, gen: int = 0,
+                 at: Optional[Callable[[int], Any]] = None, prefix: str = PREFIX):
         """``store``: this generation's (a key written in one generation is never read in
         another: world.py prefixes the store per generation); ``secret``, ``gen``: the job's
         and this generation's, bound into every record (None: an empty key, for tests that
-        run the rounds alone; the runtime always passes the job's)."""
+        run the rounds alone; the runtime always passes the job's). ``at(x)``: the store
+        that keeps the records rank x reads (its node's record store, world.py
+        ``record_stores``); a child's up and down records are kept where its parent reads,
+        so a rank uses its own node's store and its parent's, and each server carries the
+        records of its node's ranks' children. None: all on ``store``. ``prefix``: the
+        keys' (one per user of the rounds: the mirror's, the keep votes')."""
         self.store, self.rank, self.world_size = store, rank, world_size
+        self.prefix = prefix
         self.timeout_s = timeout_s
         self.secret, self.gen = secret or "", gen
         self.parent, self.children = parent_of(rank), children_of(rank, world_size)
+        where = at or (lambda x: store)
+        # this rank's own records (read by its parent); its children's (read by it)
+        self._mine_at = where(self.parent) if self.parent is not None else store
+        self._kids_at = where(rank) if self.children else store
         self._round = 0
         self._mine = ""  # this rank's up record of the current round (put back if changed)
 
@@ -134,14 +145,14 @@ class StoreRounds:
         else:
             self._mine = rr.seal(self.secret, "up", self.gen, r, what, **{"from": self.rank},
                                  **sub)
-            self.store.set(self._key(r, "u", self.rank), self._mine)
+            self._mine_at.set(self._key(r, "u", self.rank), self._mine)
             counts.add("messages")
             counts.add("bytes", len(self._mine))
             down = self._down(r, what, deadline, limit)
         if self.children:
             sealed = [rr.seal(self.secret, "down", self.gen, r, what, to=c,
                               **_part(down, *wants[c])) for c in self.children]
-            self.store.multi_set([self._key(r, "d", c) for c in self.children], sealed)
+            self._kids_at.multi_set([self._key(r, "d", c) for c in self.children], sealed)
             counts.add("messages", len(sealed))
             counts.add("bytes", sum(len(s) for s in sealed))
         if self.parent is not None:
@@ -196,7 +207,7 @@ class StoreRounds:
 
     # ------------------------------------------------------------ the store
     def _key(self, r: int, way: str, x: int) -> str:
-        return f"{PREFIX}{r}/{way}/{x}"
+        return f"{self.prefix}{r}/{way}/{x}"
 
     def _timeout(self, what: str, limit: float, why: str = "") -> TransportTimeout:
         return TransportTimeout(f"mirror {what}: not every member arrived in {limit:g}s{why}")
@@ -208,11 +219,11 @@ class StoreRounds:
         if not self.children:
             return {}
         keys = [self._key(r, "u", c) for c in self.children]
-        while not waited(self.store, keys, min(SLICE_S, deadline - time.monotonic())):
+        while not waited(self._kids_at, keys, min(SLICE_S, deadline - time.monotonic())):
             if time.monotonic() >= deadline:
                 raise self._timeout(what, limit, f" (no record of this round from ranks "
                                     f"{self.children} or below them)")
-        raws = [get_now(self.store, key) for key in keys]  # never a wait on a deleted key
+        raws = [get_now(self._kids_at, key) for key in keys]  # never a wait on a deleted key
         counts.add("messages", len(keys))
         got = {c: rr.check(self.secret, raw, "up", self.gen, r, what, **{"from": c})
                for c, raw in zip(self.children, raws)}
@@ -226,7 +237,7 @@ class StoreRounds:
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
             for c in bad:
-                raw = self._read(self._key(r, "u", c), pause)
+                raw = self._read(self._kids_at, self._key(r, "u", c), pause)
                 got[c] = rr.check(self.secret, raw, "up", self.gen, r, what, **{"from": c})
 
     def _down(self, r: int, what: str, deadline: float, limit: float) -> dict:
@@ -234,12 +245,12 @@ class StoreRounds:
         verified; when it stays forged (or an older round's) for GRACE_S, a result that
         names it (so that this rank's subtree fails the round too)."""
         key = self._key(r, "d", self.rank)
-        while not waited(self.store, [key], min(SLICE_S, deadline - time.monotonic())):
+        while not waited(self._mine_at, [key], min(SLICE_S, deadline - time.monotonic())):
             if time.monotonic() >= deadline:
                 raise self._timeout(what, limit)
             self._heal(r)
         since, pause = time.monotonic(), POLL_S
-        raw = get_now(self.store, key)
+        raw = get_now(self._mine_at, key)
         while True:
             counts.add("messages")
             body, why = rr.check(self.secret, raw, "down", self.gen, r, what, to=self.rank)
@@ -252,13 +263,13 @@ class StoreRounds:
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
             self._heal(r)
-            raw = self._read(key, pause)
+            raw = self._read(self._mine_at, key, pause)
 
-    def _read(self, key: str, seconds: float) -> Optional[bytes]:
+    def _read(self, store, key: str, seconds: float) -> Optional[bytes]:
         """The key's value, or None if it is not there within ``seconds`` (a wait, then
         get_now: a plain get of a key a forger deleted after the wait would hold the reader
         until the store's timeout)."""
-        return get_now(self.store, key) if waited(self.store, [key], seconds) else None
+        return get_now(store, key) if waited(store, [key], seconds) else None
 
     def _heal(self, r: int) -> None:
         """Put this rank's up record back if a forger deleted or changed it (while it waits
@@ -267,11 +278,11 @@ class StoreRounds:
         if not self._mine:
             return
         key = self._key(r, "u", self.rank)
-        now = self.store.compare_set(key, "", self._mine)
+        now = self._mine_at.compare_set(key, "", self._mine)
         if now != self._mine.encode():
             log.warning("mirror round: this rank's record was changed by someone without "
                         "the job secret: put back")
-            self.store.set(key, self._mine)
+            self._mine_at.set(key, self._mine)
 
     def _forget(self, keys: Sequence[str]) -> None:
         """Delete this rank's keys of a round it has finished (every reader has read
@@ -280,7 +291,7 @@ class StoreRounds:
         PrefixStore over it; there the keys stay, as every round's did before issue 57)."""
         for key in keys:
             try:
-                self.store.delete_key(key)
+                self._mine_at.delete_key(key)
             except RuntimeError as exc:
                 if "pure virtual" not in str(exc):
                     raise

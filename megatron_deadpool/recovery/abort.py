@@ -101,6 +101,20 @@ def generation_store(store):
         _gen_store.update(set(socket_inodes()) - before)
     return client
 
+def record_store_client(host: str, port: int, timeout):
+    """A connection of this generation to a node's record store (recovery/world.py
+    ``record_stores``), which the abort shuts down with the generation's store connection:
+    a round waiting on it ends at the abort."""
+    import torch.distributed as dist
+
+    before = set(socket_inodes())
+    client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                           timeout=timeout)
+    with _owned_lock:
+        _gen_store.update(set(socket_inodes()) - before)
+    return client
+
+
 def _ports(fd: int) -> Optional[tuple]:
     """(local port, remote port) of a connected TCP socket ``fd``; None for anything else
     (not a socket, another family, listening or unconnected)."""

@@ -43,6 +43,12 @@ def generation_store(store):
     return counted
 
 
+def counted(store):
+    """``store``, counted when ``count_store_ops`` was called, for Python callers only (the
+    rounds on a node's record store): nothing kept alive for torch's C++."""
+    return counting_store(store) if _store_ops else store
+
+
 def count_group(backend: str, size: int, lazy: bool = False) -> None:
     """A group of ``size`` members this process belongs to was created (``lazy``: a gloo
     group that connects a pair on first use, none now)."""

@@ -74,7 +74,7 @@ class World:
                  collective_timeout_s: float, emit: Callable[..., None],
                  gloo_op_timeout_s: Optional[float] = None,
                  regroup_timeout_s: Optional[float] = None, keep_groups: bool = True,
-                 secret: str = ""):
+                 secret: str = "", node_store: Optional[Callable[[int], Optional[tuple]]] = None):
         self.backend, self.store_port = backend, store_port
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.collective_timeout_s = collective_timeout_s
@@ -84,6 +84,9 @@ class World:
         self._long = False  # groups at the collective timeout (set_collective_timeouts)
         self.emit = emit
         self.secret = secret  # the job's: it seals the keep votes' records (repair.settle)
+        # node -> (host, port) of its record store (store.Coordinator.node_store), or None
+        self.node_store = node_store
+        self._records: Optional[tuple] = None  # (generation, its record_stores function)
         self.mp_kwargs: Optional[dict] = None  # initialize_model_parallel's, recorded
         self.aborted = False
         self._live_gen: Optional[int] = None
@@ -214,12 +217,36 @@ class World:
         if plan is not None and plan.gen > 0:  # the first generation has nothing to keep
             from ..mirror.rounds import StoreRounds
 
-            rounds = StoreRounds(dist.PrefixStore("repair/", c10d._get_default_store()),
-                                 dist.get_rank(), dist.get_world_size(), self._form_timeout_s,
-                                 self.secret, plan.gen)
+            rounds = StoreRounds(c10d._get_default_store(), dist.get_rank(),
+                                 dist.get_world_size(), self._form_timeout_s, self.secret,
+                                 plan.gen, at=self.record_stores(plan), prefix="repair/")
         return repair.Replay(gen=plan.gen if plan is not None else 0, me=dist.get_rank(),
                              lids=lids, failed=set(plan.failed_ranks) if plan else set(),
                              old=self.book, rounds=rounds, new=repair.Book(lids=dict(lids)))
+
+    def record_stores(self, plan) -> Callable[[int], object]:
+        """Generation ``plan.gen``'s rank -> the store that keeps the round records that rank
+        reads (mirror/rounds.py): the record store of the node that hosts the rank in this
+        plan (its agent's, launch/agent.py), connected once per generation and shut at its
+        abort; the generation's own store where a node published none (issue 57: the rounds
+        no longer all land on the job's one store)."""
+        if self._records is not None and self._records[0] == plan.gen:
+            return self._records[1]
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        own, clients = c10d._get_default_store(), {}
+        timeout = timedelta(seconds=self._form_timeout_s)
+
+        def at(rank: int):
+            node = plan.node_of_rank[rank]
+            if node not in clients:
+                where = self.node_store(node) if self.node_store else None
+                clients[node] = own if where is None else dist.PrefixStore(
+                    f"gen{plan.gen}/", counting.counted(ab.record_store_client(*where, timeout)))
+            return clients[node]
+        self._records = (plan.gen, at)
+        return at
 
     def kept(self) -> set:
         """The ids of the groups of the last complete build (a recovery's kept ones)."""
