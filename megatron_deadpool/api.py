@@ -122,7 +122,7 @@ class Deadpool:
                       gloo_op_timeout_s=cfg.gloo_op_timeout_s,
                       regroup_timeout_s=cfg.regroup_timeout_s,
                       keep_groups=not cfg.rebuild_all_groups, secret=secret,
-                      node_store=member.coord.node_store)
+                      node_store=member.node_store)
         settings = MirrorSettings(
             replicas=cfg.replicas, create_timeout_s=cfg.rendezvous_timeout_s,
             op_timeout_s=cfg.gloo_op_timeout_s, transport=cfg.mirror_transport,

@@ -366,67 +366,62 @@ def test_a_forged_rejection_is_ignored_and_a_genuine_one_counts(caplog):
 
 # ----------------------------------------------------------------- a job, end to end
 class RoundForger(threading.Thread):
-    """The issue's attack on a running job, before the failure: a forged add to every
-    ``cover/{it}`` counter the restore of the first recovery generations could read. A
-    generation's default store is ``gen{g}//{n}//`` (world.py's prefix, then torch's, ``n``
-    its group counter): every ``n`` up to N_GROUPS is planted. Then, as each generation's
-    rounds appear, random forgeries on them: the counters of the unsigned rounds (cover, the
-    vote, the posts' counts), junk under their post keys, and junk written early under the
-    signed rounds' up records (each costs polling until its writer writes over it). A
-    generation's rounds are found by the socket transport's address key in the same store."""
+    """The attack on a running job's rounds where they are read (issue 58: the earlier
+    forger planted the unsigned counters of before issue 49 on the job's store, which
+    nothing read any more). It reads each node's record store address from the job's store
+    (``dp/node_store/{n}``: signed, but readable by anyone) and the current generation
+    (``dp/latest``), connects to every node's store and, for the next generation, writes
+    records that do not verify under the first rounds' up and down records of both users
+    of the rounds (the keep votes, the mirror's), before their writers: junk, and
+    well-formed records sealed with another key that name a forged rank (taken, they would
+    stop the restore). Each costs its reader polling until its writer writes over it."""
 
-    N_GROUPS = 300
+    NODES = 5  # 4 nodes and the spare node
+    ROUNDS, RANKS = 8, 8
 
     def __init__(self, host: str, port: int, seed: int = 49):
         super().__init__(daemon=True)
         self.host, self.port = host, port
         self.rng, self.stop = random.Random(seed), threading.Event()
-        self.planted = self.written = 0
+        self.written = 0
         self.error = None
-        self.live = {}  # generation -> its rounds' prefix, once seen
+        self.live = {}  # generation -> records written for it (before it began)
+        self.stores = {}  # node -> a client of its record store
 
-    def _plant(self, store) -> None:
-        for g in (1, 2):
-            for n in range(self.N_GROUPS):
-                for r in range(1, 8):
-                    for it in range(14):
-                        store.add(f"gen{g}//{n}//{PREFIX}{r}/c/cover/{it}", 1)
-                        self.planted += 1
+    def _connect(self, job) -> None:
+        from megatron_deadpool.membership import store as st
 
-    def _find(self, store) -> None:
-        for g in (1, 2):
-            if g not in self.live:
-                for n in range(self.N_GROUPS):
-                    if store.check([f"gen{g}//{n}//deadpool-mirror-socket/0"]):
-                        self.live[g] = f"gen{g}//{n}//{PREFIX}"
-                        break
+        for n in range(self.NODES):
+            if n not in self.stores and job.check([st.k("node_store", n)]):
+                body = json.loads(job.get(st.k("node_store", n)))["body"]
+                self.stores[n] = st.connect(body["host"], body["port"], 30.0)
 
-    def _forge(self, store) -> None:
-        rng = self.rng
-        base = f"{self.live[rng.choice(sorted(self.live))]}{rng.randrange(1, 8)}"
-        which = rng.randrange(4)
-        if which == 0:
-            store.add(f"{base}/c/cover/{rng.randrange(0, 14)}", rng.choice([1, -1, 1000]))
-        elif which == 1:
-            store.add(f"{base}/c/false", rng.choice([1, -1]))
-        elif which == 2:
-            n = rng.randrange(8)
-            store.add(f"{base}/p/holds/{n}/n", 1)
-            store.set(f"{base}/p/holds/{n}/{rng.randrange(1, 4)}", json.dumps([n, [3]]))
-        else:
-            store.set(f"{base}/u/{rng.randrange(1, 4)}", b"\xff\xfejunk")
-        self.written += 1
+    def _plant(self, g: int) -> None:
+        from megatron_deadpool.mirror import round_records as rr
+
+        for prefix, what in ((f"repair/{PREFIX}", "keep"), (PREFIX, "restore")):
+            for r in range(1, self.ROUNDS + 1):
+                for x in range(1, self.RANKS):
+                    for way, kind, slot in (("u", "up", "from"), ("d", "down", "to")):
+                        value = b"\xff\xfejunk" if self.rng.random() < 0.5 else rr.seal(
+                            "not-the-job-secret", kind, g, r, what, **{slot: x}, posts={},
+                            adds={}, reads=[], counts=[], forged={str(x): "planted"})
+                        for store in self.stores.values():
+                            store.set(f"gen{g}//{prefix}{r}/{way}/{x}", value)  # PrefixStore adds a /
+                            self.written += 1
+        self.live[g] = self.written
 
     def run(self) -> None:
         from megatron_deadpool.membership import store as st
 
         try:
-            store = st.connect(self.host, self.port, 30.0)
-            self._plant(store)
+            job = st.connect(self.host, self.port, 30.0)
             while not self.stop.is_set():
-                self._find(store)
-                if self.live:
-                    self._forge(store)
+                self._connect(job)
+                raw = job.get(st.k("latest")) if job.check([st.k("latest")]) else None
+                gen = json.loads(raw)["body"]["gen"] if raw else 0
+                if len(self.stores) == self.NODES and gen + 1 not in self.live:
+                    self._plant(gen + 1)
                 self.stop.wait(0.01)
         except Exception as exc:  # noqa: BLE001 - the job ended under the forger
             self.error = exc
@@ -434,11 +429,11 @@ class RoundForger(threading.Thread):
 
 @pytest.mark.slow
 def test_a_job_whose_rounds_are_forged_recovers_bitwise(tmp_path, reference):
-    """While the job trains, a forger plants a forged add on every ``cover/{it}`` counter of
-    the next generations' rounds; the job loses node 1 (SIGKILLed from outside at iteration
-    5) and recovers while the forger moves the recovery generation's round counters. The
-    recovery takes none of them: the job ends bitwise with one recovery (before: the
-    restore stopped with NoCommittedStateError)."""
+    """A forger writes records that do not verify into the rounds of the running job, on
+    the node stores where they are read (RoundForger); the job loses node 1 (SIGKILLed from
+    outside at iteration 5) and recovers while the forger writes into the recovery
+    generation's rounds. The recovery takes none of them: the job ends bitwise with one
+    recovery."""
     from conftest import assert_ok_and_bitwise, kill_node_from_outside, layout_flags
 
     flags, forgers = layout_flags(2, 2, 12), []
@@ -455,9 +450,9 @@ def test_a_job_whose_rounds_are_forged_recovers_bitwise(tmp_path, reference):
         for f in forgers:
             f.stop.set()
             f.join(10)
-    assert forgers and forgers[0].planted == 2 * RoundForger.N_GROUPS * 7 * 14, \
-        (forgers and (forgers[0].planted, forgers[0].error))
-    assert 1 in forgers[0].live and forgers[0].written > 20, (forgers[0].live, forgers[0].written)
+    assert forgers and len(forgers[0].stores) == RoundForger.NODES, \
+        (forgers and (forgers[0].stores, forgers[0].error))
+    assert {1, 2} <= set(forgers[0].live), (forgers[0].live, forgers[0].error)
     assert "NoCommittedStateError" not in proc.stdout
     assert_ok_and_bitwise(proc, s, reference(flags))
     (rec,) = s["recoveries"]

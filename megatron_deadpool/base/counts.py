@@ -14,6 +14,10 @@
                                                                store (gloo's rendezvous, the
                                                                mirror's addresses) and on the
                                                                membership store's main connection
+    record_store_ops  counting.py (counted)                    operations on the node record
+                                                               stores (the rounds' records: a
+                                                               rank's own node's and its parent's,
+                                                               not the job's one store)
     messages, bytes   mirror/transport_api.py (the backends)   the mirror's sends, receives and
                                                                collectives (inventory, commits)
     groups_kept,      recovery/repair.py (a survivor's         groups a recovery kept (no member
@@ -40,7 +44,7 @@ import threading
 from typing import Dict, Mapping
 
 KINDS = ("new_group_calls", "groups_created", "group_members", "connections", "store_ops",
-         "messages", "bytes", "groups_kept", "kept_members", "groups_rebuilt",
+         "record_store_ops", "messages", "bytes", "groups_kept", "kept_members", "groups_rebuilt",
          "rebuilt_members", "rebuilt_connections", "rebuilt_unsettled",
          "unsettled_connections", "groups_shrunk", "shrunk_members")
 

@@ -215,6 +215,10 @@ class Member:
                                 "(--deadpool-spare-ready-timeout)") from None
 
     # -------------------------------------------------------------- reports
+    def node_store(self, node: int):
+        """(host, port) of node ``node``'s record store, or None (store.Coordinator's)."""
+        return self.coord.node_store(node)
+
     def push_event(self, kind: EventKind, **fields) -> None:
         self.coord.push_event(kind, lid=self.lid, **fields)
 

@@ -104,7 +104,7 @@ class StoreRounds:
         self.timeout_s = timeout_s
         self.secret, self.gen = secret or "", gen
         self.parent, self.children = parent_of(rank), children_of(rank, world_size)
-        where = at or (lambda x: store)
+        where, self._on_nodes = at or (lambda x: store), at is not None
         # this rank's own records (read by its parent); its children's (read by it)
         self._mine_at = where(self.parent) if self.parent is not None else store
         self._kids_at = where(rank) if self.children else store
@@ -295,7 +295,7 @@ class StoreRounds:
             except RuntimeError as exc:
                 if "pure virtual" not in str(exc):
                     raise
-                counts.add("store_ops")
+                counts.add("record_store_ops" if self._on_nodes else "store_ops")
         self._mine = ""
 
 

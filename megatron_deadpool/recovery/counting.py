@@ -44,9 +44,10 @@ def generation_store(store):
 
 
 def counted(store):
-    """``store``, counted when ``count_store_ops`` was called, for Python callers only (the
-    rounds on a node's record store): nothing kept alive for torch's C++."""
-    return counting_store(store) if _store_ops else store
+    """A node's record store, its operations counted as ``record_store_ops`` when
+    ``count_store_ops`` was called (apart from the job's store: they land on another
+    server); for Python callers only (the rounds): nothing kept alive for torch's C++."""
+    return counting_store(store, "record_store_ops") if _store_ops else store
 
 
 def count_group(backend: str, size: int, lazy: bool = False) -> None:
@@ -86,8 +87,8 @@ def install() -> None:
     c10d.new_group = new_group
 
 
-def counting_store(store):
-    """``store`` behind a c10d Store that counts each operation (``store_ops``); torch's
+def counting_store(store, what: str = "store_ops"):
+    """``store`` behind a c10d Store that counts each operation (as ``what``); torch's
     gloo rendezvous calls it from C++ through the Python override."""
     import torch.distributed as dist
 
@@ -97,7 +98,7 @@ def counting_store(store):
             self.inner = inner
 
         def wait(self, keys, timeout=None):
-            counts.add("store_ops")
+            counts.add(what)
             if timeout is None:
                 return self.inner.wait(keys)
             return self.inner.wait(keys, timeout if isinstance(timeout, timedelta)
@@ -110,16 +111,16 @@ def counting_store(store):
             return self.inner.set_timeout(timeout)
 
     for name in COUNTED_OPS:  # torch's C++ finds an override by name, on the class
-        setattr(CountingStore, name, _counted(name))
+        setattr(CountingStore, name, _counted(name, what))
     return CountingStore(store)
 
 
 COUNTED_OPS = ("set", "get", "add", "check", "compare_set", "delete_key")
 
 
-def _counted(name: str):
+def _counted(name: str, what: str):
     def op(self, *args):
-        counts.add("store_ops")
+        counts.add(what)
         return getattr(self.inner, name)(*args)
     op.__name__ = name
     return op
