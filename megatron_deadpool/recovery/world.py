@@ -87,6 +87,7 @@ class World:
         # node -> (host, port) of its record store (store.Coordinator.node_store), or None
         self.node_store = node_store
         self._records: Optional[tuple] = None  # (generation, its record_stores function)
+        self._records_alive: list = []  # the last generations' record store clients
         self.mp_kwargs: Optional[dict] = None  # initialize_model_parallel's, recorded
         self.aborted = False
         self._live_gen: Optional[int] = None
@@ -235,15 +236,21 @@ class World:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
 
-        own, clients = c10d._get_default_store(), {}
+        own, clients, inner = c10d._get_default_store(), {}, []
         timeout = timedelta(seconds=self._form_timeout_s)
+        # a counting store is a Python object that torch's PrefixStore calls back into: it
+        # must outlive the generation's rounds (the retired link's too), or "Not implemented"
+        self._records_alive = (self._records_alive + [inner])[-3:]
 
         def at(rank: int):
             node = plan.node_of_rank[rank]
             if node not in clients:
                 where = self.node_store(node) if self.node_store else None
-                clients[node] = own if where is None else dist.PrefixStore(
-                    f"gen{plan.gen}/", counting.counted(ab.record_store_client(*where, timeout)))
+                if where is None:
+                    clients[node] = own
+                else:
+                    inner.append(counting.counted(ab.record_store_client(*where, timeout)))
+                    clients[node] = dist.PrefixStore(f"gen{plan.gen}/", inner[-1])
             return clients[node]
         self._records = (plan.gen, at)
         return at
