@@ -77,3 +77,28 @@ def test_a_node_store_address_is_signed_for_its_node():
     forger = st.Coordinator(dist.TCPStore("127.0.0.1", server.port, is_master=False), "x")
     forger.publish_node_store(3, "evil.example", 1)  # a client without the secret
     assert coord.node_store(3) is None
+
+
+def test_a_listener_is_published_on_its_nodes_store_and_found_there():
+    """The socket transport publishes each rank's listener on its node's record store
+    (``at``), and a peer finds it there: nothing on the job's store."""
+    import threading
+
+    import torch
+
+    from megatron_deadpool.mirror.socket_transport import KEY, SocketTransport
+
+    job, nodes = dist.HashStore(), [dist.HashStore(), dist.HashStore()]
+    t = [SocketTransport(job, r, 2, None, "127.0.0.1", SECRET, 3, timeout_s=30,
+                         at=lambda x: nodes[x]) for r in (0, 1)]
+    assert nodes[1].check([f"{KEY}1"]) and not nodes[0].check([f"{KEY}1"])
+    assert not job.check([f"{KEY}0"]) and not job.check([f"{KEY}1"])
+    got = torch.zeros(4, dtype=torch.uint8)
+    sender = threading.Thread(target=t[0].exchange, args=([(1, torch.ones(4, dtype=torch.uint8))],
+                                                          []))
+    sender.start()
+    t[1].exchange([], [(0, got)])
+    sender.join(30)
+    assert torch.all(got == 1)
+    for x in t:
+        x.release()

@@ -60,6 +60,8 @@ from . import group_plan, sim_counts
 DATA = Path(__file__).resolve().parents[2] / "docs" / "data"
 PLANS_FILE = DATA / "megatron_group_plans.json"
 STORE_RATE_FILE = DATA / "store_rate.json"
+# the runs with the round records on the node record stores: which store each operation hit
+SPLIT_FILE = DATA / "bench_recovery_counts_node_stores.json"
 FIT_MAX_W = 32   # the count law is fitted and validated on the runs up to this W
 
 
@@ -82,10 +84,14 @@ def _log_law(points=NCCL_INIT_POINTS):
     return t0 - b * math.log2(n0), b
 
 
-def units(store_rate: Optional[Mapping] = None) -> List[Unit]:
+def units(store_rate: Optional[Mapping] = None, split: Optional[Mapping] = None
+          ) -> List[Unit]:
     """The unit costs at scale, each with its status and source: the one list."""
     a, b = _log_law()
     rate = store_rate or load_store_rate()
+    split = split or load_split()
+    where = (f"the most one survivor did at W = {split['world_sizes']} with the round "
+             f"records on the node record stores ({split['commit']}, {split['date']})")
     return [
         Unit("nccl_comm_init_a_s", a, "s", "assumed",
              f"one NCCL communicator of n ranks takes a + b log2(n) s, through "
@@ -108,6 +114,12 @@ def units(store_rate: Optional[Mapping] = None) -> List[Unit]:
              "the mirror's tree (mirror/rounds.py) for every group at once, at most "
              "MAX_OPS_PER_ROUND store operations per rank (before issue 58: 4 or 5 per "
              "member of every unbroken group)"),
+        Unit("restore_job_store_ops", split["restore_state"]["store_ops"], "operations",
+             "measured here", "the restore's operations on the job's one store per rank (the "
+             f"round records are on the node stores): {where}"),
+        Unit("restore_record_store_ops", split["restore_state"]["record_store_ops"],
+             "operations", "measured here", "the restore's operations per rank on the node "
+             f"record stores (its own node's, its parent's): {where}"),
         Unit("keep_round_bytes_per_group", float(keep_counter_bytes()), "bytes",
              "counted in the code", "one kept group's two counters (arrivals, hash sum) in "
              "a round record, as JSON (repair.topic, a 60-bit hash times a group of 100,000)"),
@@ -132,6 +144,22 @@ def keep_counter_bytes() -> int:
     t = repair.topic(((0, 1), "gloo", 0))
     return len(json.dumps({f"{t}/n": 100000, f"{t}/s": (2 ** 60 - 1) * 100000},
                           separators=(",", ":"))) - 1
+
+
+def load_split(path: Path = SPLIT_FILE) -> Dict:
+    """Per phase, the most store operations one survivor did on the job's store and on the
+    node record stores, in the runs with the node stores (``SPLIT_FILE``)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        runs = data["runs"]
+        out = {ph: {k: float(max(r["counts"].get(ph, {}).get(k, 0) for r in runs))
+                    for k in ("store_ops", "record_store_ops")} for ph in PHASE_ORDER}
+    except (OSError, ValueError, KeyError) as exc:
+        raise DeadpoolError(f"{path}: no store split ({exc!r}); measure one with `deadpool "
+                            "bench recovery --counts --json F`") from None
+    return {**out, "world_sizes": ", ".join(str(r["world_size"]) for r in runs),
+            "commit": data.get("commit", "commit not recorded"),
+            "date": data.get("date", "date not recorded")}
 
 
 def load_store_rate(path: Path = STORE_RATE_FILE) -> Dict:
@@ -264,6 +292,9 @@ class ScaleLaw:
         u, c = self.unit, self.count
         counted = self.counted()
         server = u["store_server_op_s"] * w
+        # the ranks whose operations one node's record store serves: the node's own (their
+        # children's records) and their children (their own records)
+        per_node = self.plans[w]["gpus_per_node"] * (1 + FANOUT)
         if self.phase == "rebuild_groups":
             plan = self.plans[w]
             groups = plan["busiest_survivor"]["groups"]
@@ -273,16 +304,19 @@ class ScaleLaw:
                        for g in groups},
                     "store_server (members of the rebuilt groups)": u["store_server_op_s"]
                     * plan["rebuilt_members_total"] * u["store_ops_per_group_member"],
-                    "store_server (keep votes: one round of every rank)": server
-                    * u["store_ops_per_keep_round"],
-                    "store_server (keep votes: the round's bytes)": 2 * kept
-                    * u["keep_round_bytes_per_group"] * math.ceil(math.log(w, FANOUT))
-                    / u["store_server_bytes_s"]}
+                    "record stores (keep votes: the busiest node's)": per_node
+                    * u["store_ops_per_keep_round"] * u["store_server_op_s"],
+                    "record stores (keep votes: the round's bytes at the root's node)": 2
+                    * kept * u["keep_round_bytes_per_group"] / u["store_server_bytes_s"]}
         out = {"count_law": c.units.phase_s(self.phase, counted)}
         if self.phase == "abort":
             out["nccl_abort"] = u["nccl_abort_s"]
-        if self.phase in ("rendezvous", "restore_state"):
+        if self.phase == "rendezvous":
             out["store_server (every rank's operations)"] = server * counted.get("store_ops", 0)
+        if self.phase == "restore_state":
+            out["store_server (every rank's operations)"] = server * u["restore_job_store_ops"]
+            out["record stores (the busiest node's)"] = per_node * \
+                u["restore_record_store_ops"] * u["store_server_op_s"]
         if self.phase == "rendezvous":
             gpn = self.plans[w]["gpus_per_node"]
             out["store_server (every rank reads the plan)"] = \

@@ -103,11 +103,11 @@ class Links:
 
         s, store = self.settings, c10d._get_default_store()  # this generation's (world.py)
         rank, world = c10d.get_rank(), c10d.get_world_size()
-        rounds = StoreRounds(store, rank, world, s.op_timeout_s, s.secret, plan.gen,
-                             at=self.records(plan) if self.records else None)
+        at = self.records(plan) if self.records else None  # each node's record store
+        rounds = StoreRounds(store, rank, world, s.op_timeout_s, s.secret, plan.gen, at=at)
         transport = create_transport(s.transport_name, TransportContext(
             store, rank, world, rounds, s.store_host, s.secret, plan.gen, s.op_timeout_s,
-            create_timeout_s=s.create_timeout_s, communicator=self._communicator))
+            create_timeout_s=s.create_timeout_s, communicator=self._communicator, at=at))
         self.current = Link(tuple(plan.node_of_rank), transport, rounds,
                             RejectionBoard(store, s.secret, plan.gen), store)
         return self.current

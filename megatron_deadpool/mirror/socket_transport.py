@@ -37,7 +37,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -91,12 +91,15 @@ class SocketTransport(MirrorTransport):
 
     def __init__(self, store, rank: int, world_size: int, collectives: MirrorTransport,
                  host: str, secret: str, gen: int, timeout_s: float = 600.0,
-                 purpose: str = "mirror"):
-        """``store``: this generation's (every member publishes its listener there, sealed);
+                 purpose: str = "mirror", at: Optional[Callable[[int], Any]] = None):
+        """``store``: this generation's (every member publishes its listener there, sealed;
+        ``at(r)``, when given: rank r's node's record store, where r publishes and its peers
+        read);
         ``collectives``: the transport ``all_ok`` / ``all_gather_*`` go to; ``secret``: the
         job's (``auth.load_secret``), ``gen``: this generation, ``purpose``: ``mirror`` or
         ``handoff``, all bound into every handshake."""
         self.store, self.rank, self.world_size = store, rank, world_size
+        self._at = at or (lambda r: store)
         self.collectives, self.timeout_s = collectives, timeout_s
         self.secret, self.gen, self.purpose = secret, gen, purpose
         self._listener = socket.create_server((host, 0), backlog=max(16, world_size))
@@ -113,12 +116,12 @@ class SocketTransport(MirrorTransport):
         self._gate = handshake.Gate(self._listener, secret, gen, rank, world_size,
                                     min(handshake.HANDSHAKE_S, timeout_s), self._admit,
                                     self._refuse, purpose)
-        self.store.set(f"{KEY}{rank}", auth.seal(secret, {
+        self._at(rank).set(f"{KEY}{rank}", auth.seal(secret, {
             "gen": gen, "rank": rank, "addr": f"{host}:{self._listener.getsockname()[1]}"}))
 
     def reachable(self, peer: int) -> bool:
         """Whether ``peer``'s listener is published (one store check, no wait)."""
-        return self.store.check([f"{KEY}{peer}"])
+        return self._at(peer).check([f"{KEY}{peer}"])
 
     # ------------------------------------------------------------------ connections
     def _remaining(self, deadline: float, what: str) -> float:
@@ -131,12 +134,13 @@ class SocketTransport(MirrorTransport):
         """``dst``'s listener address, as ``dst`` sealed it for this generation."""
         key = f"{KEY}{dst}"
         try:
-            self.store.wait([key], timedelta(seconds=self._remaining(deadline, "connect")))
+            self._at(dst).wait([key], timedelta(seconds=self._remaining(deadline, "connect")))
         except Exception as exc:  # noqa: BLE001 - the store's timeout error type varies
             raise TransportTimeout(f"mirror connect: rank {dst} published no address in "
                                    f"{self._limit:g}s") from exc
         try:
-            return auth.open_(self.secret, self.store.get(key), gen=self.gen, rank=dst)["addr"]
+            return auth.open_(self.secret, self._at(dst).get(key), gen=self.gen,
+                              rank=dst)["addr"]
         except auth.AuthError as exc:
             raise PeerLost(f"mirror connect: the address of rank {dst} in the store is not "
                            f"sealed with the job secret for generation {self.gen}: "

@@ -63,6 +63,9 @@ class TransportContext:
     # generation's abort expects it: control/link.py records its sockets for the abort and
     # lowers its I/O threads' priority; as it is without a runtime (tests)
     communicator: Callable[[Callable[[], Any]], Any] = _as_is
+    # rank -> the record store of its node (recovery/world.py ``record_stores``): a rank's
+    # listener address is published there, not on the job's one store; None: ``store``
+    at: Optional[Callable[[int], Any]] = None
 
 
 Factory = Callable[[TransportContext], "MirrorTransport"]
@@ -137,7 +140,8 @@ def _socket(ctx: TransportContext) -> "MirrorTransport":
     if ctx.secret is None or (ctx.collectives is None and ctx.purpose != "handoff"):
         raise DeadpoolError("the socket mirror transport needs the job secret and collectives")
     return SocketTransport(ctx.store, ctx.rank, ctx.world_size, ctx.collectives, local_address(
-        ctx.store_host), ctx.secret, ctx.gen, timeout_s=ctx.timeout_s, purpose=ctx.purpose)
+        ctx.store_host), ctx.secret, ctx.gen, timeout_s=ctx.timeout_s, purpose=ctx.purpose,
+        at=ctx.at)
 
 
 @register_transport("gloo", "the mirror's gloo group, which runs the collectives either way")
