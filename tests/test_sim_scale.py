@@ -55,30 +55,49 @@ def _laws(op_s=None):
 
 
 def test_the_store_server_serves_every_ranks_operations_one_after_another():
-    """The store term grows as W and as the server's time per operation; the count law's
-    own terms do not grow (their counts are bounded, never extrapolated)."""
+    """The job's store term grows as W and as the server's time per operation; the count
+    law's own terms do not grow (their counts are bounded, never extrapolated)."""
     laws = _laws()
     key = "store_server (every rank's operations)"
-    for ph in ("rendezvous", "restore_state"):
-        small, big = laws[ph].terms(4096), laws[ph].terms(100000)
-        assert big[key] == pytest.approx(small[key] * 100000 / 4096)
-        assert big["count_law"] == small["count_law"]
-        ops = dict(laws[ph].counted())["store_ops"]
-        assert big[key] == pytest.approx(100000 * ops * laws[ph].unit["store_server_op_s"])
-        assert _laws(op_s=2 * laws[ph].unit["store_server_op_s"])[ph].terms(100000)[key] \
-            == pytest.approx(2 * big[key])
+    small, big = laws["rendezvous"].terms(4096), laws["rendezvous"].terms(100000)
+    assert big[key] == pytest.approx(small[key] * 100000 / 4096)
+    assert big["count_law"] == small["count_law"]
+    ops = dict(laws["rendezvous"].counted())["store_ops"]
+    u = laws["rendezvous"].unit
+    assert big[key] == pytest.approx(100000 * ops * u["store_server_op_s"])
+    assert _laws(op_s=2 * u["store_server_op_s"])["rendezvous"].terms(100000)[key] \
+        == pytest.approx(2 * big[key])
     for ph in ("detect", "abort", "first_step"):
         assert laws[ph](512) == laws[ph](100000)
-    terms, u = laws["rebuild_groups"].terms(100000), laws["rebuild_groups"].unit
-    plan = sim_scale.plans_for((100000,), 4, 8, 4, log=None)[100000]
-    # the keep votes: one round of every rank, at most MAX_OPS_PER_ROUND operations each
-    from megatron_deadpool.mirror.rounds import MAX_OPS_PER_ROUND
 
-    assert terms["store_server (keep votes: one round of every rank)"] == pytest.approx(
-        100000 * MAX_OPS_PER_ROUND * u["store_server_op_s"])
+
+def test_the_rounds_records_land_on_the_node_stores_and_do_not_grow_with_w():
+    """Issue 57: the restore's rounds and the keep votes are on the node record stores: the
+    busiest node's store serves its ranks and their children (gpus per node x (1 + FANOUT)
+    ranks), the same at 4,096 and 100,000 GPUs; what is left on the job's store is what the
+    runs with the node stores measured (none in the restore)."""
+    from megatron_deadpool.mirror.rounds import FANOUT, MAX_OPS_PER_ROUND
+
+    laws = _laws()
+    restore, rebuild = laws["restore_state"], laws["rebuild_groups"]
+    u = restore.unit
+    busiest = "record stores (the busiest node's)"
+    assert restore.terms(100000)[busiest] == restore.terms(4096)[busiest] == pytest.approx(
+        4 * (1 + FANOUT) * u["restore_record_store_ops"] * u["store_server_op_s"])
+    assert restore.terms(100000)["store_server (every rank's operations)"] == pytest.approx(
+        100000 * u["restore_job_store_ops"] * u["store_server_op_s"])
+    split = sim_scale.load_split()
+    assert u["restore_job_store_ops"] == split["restore_state"]["store_ops"]
+    assert u["restore_record_store_ops"] == split["restore_state"]["record_store_ops"] > 0
+    terms = rebuild.terms(100000)
+    assert terms["record stores (keep votes: the busiest node's)"] == pytest.approx(
+        4 * (1 + FANOUT) * MAX_OPS_PER_ROUND * u["store_server_op_s"])
+    plan = sim_scale.plans_for((100000,), 4, 8, 4, log=None)[100000]
     kept = plan["members_total"] - plan["rebuilt_members_total"]
-    assert terms["store_server (keep votes: the round's bytes)"] == pytest.approx(
-        2 * kept * u["keep_round_bytes_per_group"] * 9 / u["store_server_bytes_s"])
+    assert terms["record stores (keep votes: the round's bytes at the root's node)"] == \
+        pytest.approx(2 * kept * sim_scale.top_share(100000, 4) * u["keep_round_bytes_per_group"]
+                      / u["store_server_bytes_s"])
+    assert 1.7 < sim_scale.top_share(100000, 4) < 1.9  # 4 ranks' children: ~1.75 W below them
 
 
 def test_the_rendezvous_serves_each_survivor_a_delta_and_each_spare_the_plan():

@@ -137,6 +137,21 @@ def units(store_rate: Optional[Mapping] = None, split: Optional[Mapping] = None
     ]
 
 
+def top_share(w: int, gpn: int) -> float:
+    """The ranks in the subtrees whose round records the root's node keeps (its ranks'
+    children's: up and down records of each carry its subtree's counters), as a share of
+    W: an upper bound of that node's bytes with every rank's counters unmerged."""
+    from ..mirror.rounds import children_of
+
+    total = 0
+    for r in range(min(gpn, w)):
+        todo = list(children_of(r, w))
+        while todo:
+            total += len(todo)
+            todo = [c for x in todo for c in children_of(x, w)]
+    return total / w
+
+
 def keep_counter_bytes() -> int:
     """One kept group's counters in a keep round's record (recovery/repair.py), as JSON."""
     from ..recovery import repair
@@ -307,7 +322,8 @@ class ScaleLaw:
                     "record stores (keep votes: the busiest node's)": per_node
                     * u["store_ops_per_keep_round"] * u["store_server_op_s"],
                     "record stores (keep votes: the round's bytes at the root's node)": 2
-                    * kept * u["keep_round_bytes_per_group"] / u["store_server_bytes_s"]}
+                    * kept * top_share(w, self.plans[w]["gpus_per_node"])
+                    * u["keep_round_bytes_per_group"] / u["store_server_bytes_s"]}
         out = {"count_law": c.units.phase_s(self.phase, counted)}
         if self.phase == "abort":
             out["nccl_abort"] = u["nccl_abort_s"]
