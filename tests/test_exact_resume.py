@@ -43,7 +43,13 @@ SCRIPT = textwrap.dedent("""
     out["other_world"] = exact_resume.load(root, 2, 0, 8, model, opt, tp_size=2) is None
     shard.reset_optimizer_state(opt)  # no optimizer state here (as --no-load-optim)
     out["layout_rng"] = exact_resume.load(root, 2, 0, 1, model, opt, tp_size=2) is not None
+    p = exact_resume.path(root, 2, 0)
+    whole = open(p, "rb").read()
+    with open(p, "wb") as f:  # torn: the first half of the file
+        f.write(whole[: len(whole) // 2])
+    out["torn"] = exact_resume.load(root, 2, 0, 1, model, opt, tp_size=2) is None
     out["notices"] = list(lines)
+    out["path"] = p
     print("RESULT " + json.dumps(out))
 """)
 
@@ -54,6 +60,8 @@ def test_tp_copies_round_trip_and_a_bare_checkpoint_still_loads():
     assert r["kinds"] == ["exp_avg", "exp_avg_sq", "param", "step"], r
     assert r["rng"] == ["numpy", "python", "torch", "tracker"] and r["lines"] == [], r
     assert r["missing"] and r["other_world"] and r["layout_rng"], r
-    assert len(r["notices"]) == 3 and all("not exact" in x for x in r["notices"]), r
+    assert len(r["notices"]) == 4 and all("not exact" in x for x in r["notices"]), r
     assert "nothing of DeadPool's beside the checkpoint" in r["notices"][0], r
     assert "world size 1" in r["notices"][1] and "exp_avg" in r["notices"][2], r
+    # a torn file: one line naming it, Megatron-LM's own state used (issue 58)
+    assert r["torn"] and r["path"] in r["notices"][3] and "cannot be read" in r["notices"][3], r

@@ -25,8 +25,9 @@ params, moments; a few vectors per layer)::
 
 After a ``--load`` of that iteration every rank puts the tensors back at once (before the
 data iterators are built) and its generators at the start of the first step (after them). A
-checkpoint written without them still loads; the resume is then not exact, and one line says
-so.
+checkpoint written without them, or with a file that cannot be read (torn, corrupt), still
+loads with Megatron-LM's own state; the resume is then not exact, and one line names the file
+and says so. Each file is written durably (fsync, atomic rename).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import logging
 import os
 from typing import Optional
 
+from ..base.errors import MirrorCorruptError
 from ..mirror import metadata
 from . import shard
 from .train_state import capture_rng
@@ -53,7 +55,9 @@ def _replicated(model, optimizer, tp_size: int) -> dict:
 
 def save(root: str, iteration: int, rank: int, world_size: int, with_cuda: bool,
          model, optimizer, tp_size: int) -> str:
-    """Write what this rank needs after ``iteration`` (atomically); returns the path."""
+    """Write what this rank needs after ``iteration`` durably (written to a temporary file,
+    flushed to disk, renamed over the final name, the folder flushed: a crash leaves the old
+    file or the new one, never a torn one); returns the path."""
     p = path(root, iteration, rank)
     os.makedirs(os.path.dirname(p), exist_ok=True)
     blob = metadata.encode({"iteration": iteration, "rank": rank, "world_size": world_size,
@@ -61,7 +65,14 @@ def save(root: str, iteration: int, rank: int, world_size: int, with_cuda: bool,
                             "tp_replicated": _replicated(model, optimizer, tp_size)})
     with open(p + ".tmp", "wb") as f:
         f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(p + ".tmp", p)
+    folder = os.open(os.path.dirname(p), os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
     return p
 
 
@@ -76,8 +87,14 @@ def load(root: str, iteration: int, rank: int, world_size: int, model, optimizer
         log.warning("--load of iteration %d: nothing of DeadPool's beside the checkpoint "
                     "(written without --deadpool): the resume is not exact", iteration)
         return None
-    with open(p, "rb") as f:
-        body = metadata.decode(f.read())
+    try:
+        with open(p, "rb") as f:
+            body = metadata.decode(f.read())
+    except (OSError, MirrorCorruptError) as exc:
+        log.warning("--load of iteration %d: DeadPool's states in %s cannot be read (%s): "
+                    "Megatron-LM's own state is used, the resume is not exact", iteration, p,
+                    exc)
+        return None
     if (body.get("iteration"), body.get("rank"), body.get("world_size")) != \
             (iteration, rank, world_size):
         log.warning("--load of iteration %d: DeadPool's states in %s are of iteration %s, "
