@@ -193,9 +193,11 @@ class NodeAgent:
             self.signal(lid, signal.SIGCONT)
             self.signal(lid, signal.SIGTERM)
 
-    def terminate_all(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM to every live worker, SIGKILL after ``grace_s``; then what is left of
-        the sessions of the workers ended here (their children) is killed too."""
+    def terminate_all(self, grace_s: Optional[float] = None) -> None:
+        """SIGTERM to every live worker, SIGKILL after ``grace_s`` (None: STOP_GRACE_S);
+        then what is left of the sessions of the workers ended here (their children) is
+        killed too."""
+        grace_s = STOP_GRACE_S if grace_s is None else grace_s
         self.ask_to_stop()
         deadline = time.monotonic() + grace_s
         while self.alive() and time.monotonic() < deadline:
