@@ -101,6 +101,49 @@ def _worker(rank, kind, port, errq, group_collectives=False):
         errq.put(traceback.format_exc())
 
 
+def _tag_worker(rank, port, errq):
+    """Rank 0 sends one message over the gloo transport under a key that is not the job's
+    pair key; rank 1 must refuse it in ``exchange`` (its tag check), not take it."""
+    try:
+        from megatron_deadpool.mirror.frames import PeerLost
+        from megatron_deadpool.mirror.gloo_transport import Tags
+
+        store = torch.distributed.TCPStore("127.0.0.1", port, 2, rank == 0,
+                                           wait_for_workers=False)
+        torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=2)
+        gen = torch.distributed.PrefixStore("t/", store)
+        rounds = StoreRounds(gen, rank, 2, timeout_s=60, secret=SECRET, gen=0)
+        t = create_transport("gloo", TransportContext(gen, rank, 2, rounds, "127.0.0.1",
+                                                      SECRET, 0, timeout_s=60))
+        if rank == 0:
+            t.tags = Tags("not-the-job-secret", 0, 0)  # a sender without the pair's key
+            t.exchange([(1, torch.ones(64, dtype=torch.uint8))], [], timeout_s=30)
+            errq.put(None)
+            return
+        try:
+            t.exchange([], [(0, torch.empty(64, dtype=torch.uint8))], timeout_s=30)
+        except PeerLost as exc:
+            errq.put(None if "failed its tag" in str(exc) else repr(exc))
+        else:
+            errq.put("rank 1 took a message tagged under another key")
+    except BaseException:  # noqa: BLE001
+        errq.put(traceback.format_exc())
+
+
+def test_the_gloo_transport_refuses_a_message_under_another_key():
+    """Issue 58: with the tag check in ``GlooTransport.exchange`` removed, every other gloo
+    test passed; here a message tagged under another key is refused by the receiver."""
+    ctx = mp.get_context("spawn")
+    errq, port = ctx.Queue(), _port()
+    procs = [ctx.Process(target=_tag_worker, args=(r, port, errq)) for r in range(2)]
+    for p in procs:
+        p.start()
+    errors = [errq.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    assert errors == [None, None], "\n".join(e for e in errors if e)
+
+
 CONFORMANCE = ["gloo", "socket"]
 
 
