@@ -32,10 +32,13 @@ def test_crash_on_a_healthy_node_restarts_in_place(tmp_path, reference):
     (local,) = s["local_restarts"]
     assert local["rank"] == 5 and local["node"] == 2 and local["exit_code"] == -9
     assert local["restored_iter"] == rec["restored_iter"] and local["total_s"] > 0
+    # warm (issue 58): node 2's standby, started with the job, took the rank; a cold start
+    # in place (no standby: --deadpool-local-standby 0, or none started) is warm False
+    assert local["warm"] is True, local
     assert s["standby_spares_at_end"] == 2  # the spare node is still in standby
     ev = [json.loads(x) for x in events.read_text().splitlines()]
     (restart,) = [e for e in ev if e["event"] == "local_restart"]
-    assert restart["rank"] == 5 and restart["lid"] == new_lid
+    assert restart["rank"] == 5 and restart["lid"] == new_lid and restart["warm"] is True
 
 
 def test_second_crash_of_the_same_rank_takes_the_spare(tmp_path, reference):
