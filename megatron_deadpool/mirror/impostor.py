@@ -6,8 +6,8 @@ trains. The listeners must refuse it and the run must not notice (``tests/scenar
 Per listener, three connections: the old unauthenticated hello (``HELLO(magic, rank)``,
 followed by a message that would have landed in a receive slot), the current hello answered
 with a proof under a wrong secret, and a connection that says nothing and stays open past
-the handshake deadline. The addresses are read from the store as anyone can (they are
-public, only signed)."""
+the handshake deadline. The addresses are read from the stores as anyone can (they are
+public, only signed): each rank's on its node's record store."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def _addresses(transport) -> List[Tuple[int, Tuple[str, int]]]:
     out = []
     for rank in range(transport.world_size):
         try:
-            body = json.loads(transport.store.get(f"{st.KEY}{rank}"))["body"]
+            body = json.loads(transport.where(rank).get(f"{st.KEY}{rank}"))["body"]
         except Exception as exc:  # noqa: BLE001 - a rank without a listener is skipped
             log.info("impostor: no address of rank %d: %s", rank, exc)
             continue

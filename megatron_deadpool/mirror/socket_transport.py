@@ -119,6 +119,10 @@ class SocketTransport(MirrorTransport):
         self._at(rank).set(f"{KEY}{rank}", auth.seal(secret, {
             "gen": gen, "rank": rank, "addr": f"{host}:{self._listener.getsockname()[1]}"}))
 
+    def where(self, rank: int):
+        """The store that holds ``rank``'s listener address (its node's record store)."""
+        return self._at(rank)
+
     def reachable(self, peer: int) -> bool:
         """Whether ``peer``'s listener is published (one store check, no wait)."""
         return self._at(peer).check([f"{KEY}{peer}"])
