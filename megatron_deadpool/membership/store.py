@@ -88,13 +88,7 @@ def connect(host: str, port: int, timeout_s: float = 60.0, is_master: bool = Fal
     on every interface."""
     from torch.distributed import TCPStore
 
-    fd = None
-    if is_master:
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(1024)
-        fd = sock.detach()
+    fd = _listening(host, port, reuse=True)[0] if is_master else None
     return TCPStore(host, port, is_master=is_master, wait_for_workers=False,
                     timeout=timedelta(seconds=timeout_s), master_listen_fd=fd)
 
@@ -114,13 +108,22 @@ def serve_records(facing: str, timeout_s: float = 60.0):
         host = facing
     finally:
         probe.close()
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.bind((host, 0))
-    sock.listen(1024)
-    port = sock.getsockname()[1]
+    fd, port = _listening(host, 0)
     server = TCPStore(host, port, is_master=True, wait_for_workers=False,
-                      timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.detach())
+                      timeout=timedelta(seconds=timeout_s), master_listen_fd=fd)
     return server, host, port
+
+
+def _listening(host: str, port: int, reuse: bool = False) -> Tuple[int, int]:
+    """A listening socket on ``host`` only (not on every interface), for a TCPStore
+    server: its file descriptor and its port (``port`` 0: a free one)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    if reuse:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    bound = sock.getsockname()[1]
+    return sock.detach(), bound
 
 
 class Coordinator:

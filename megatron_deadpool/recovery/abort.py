@@ -93,24 +93,27 @@ def generation_store(store):
 
     if not isinstance(store, dist.TCPStore):
         return store
-    before = set(socket_inodes())
-    client = dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False,
-                           timeout=store.timeout)
-    with _owned_lock:
-        _gen_store.clear()
-        _gen_store.update(set(socket_inodes()) - before)
-    return client
+    return _tracked_client(store.host, store.port, store.timeout, fresh=True)
+
 
 def record_store_client(host: str, port: int, timeout):
     """A connection of this generation to a node's record store (recovery/world.py
     ``record_stores``), which the abort shuts down with the generation's store connection:
     a round waiting on it ends at the abort."""
+    return _tracked_client(host, port, timeout, fresh=False)
+
+
+def _tracked_client(host: str, port: int, timeout, fresh: bool):
+    """A TCPStore client whose connection the abort shuts down with the generation's
+    (``fresh``: the first of a generation, which forgets the last generation's)."""
     import torch.distributed as dist
 
     before = set(socket_inodes())
     client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                            timeout=timeout)
     with _owned_lock:
+        if fresh:
+            _gen_store.clear()
         _gen_store.update(set(socket_inodes()) - before)
     return client
 
