@@ -30,7 +30,7 @@ NEWEST, OLDER = EVERY[0], EVERY[1]
 
 
 def in_ci_on(ci_tag):
-    """Every tag, the one CI runs marked ``ci``."""
+    """Every tag, the one CI runs marked ``ci`` (None: none in CI)."""
     return [pytest.param(t, marks=[pytest.mark.ci] if t == ci_tag else [], id=t) for t in EVERY]
 
 
@@ -84,8 +84,8 @@ def test_patched_script_is_deterministic(run, tag):
 @pytest.mark.parametrize("tag", in_ci_on(OLDER))
 def test_hot_swap_in_the_real_script(run, tag):
     """The must-show of both tags: node 1 killed at 7, bitwise with the failure-free run.
-    CI runs it on the older tag; on the newest, CI's test_bf16_through_a_swap makes the
-    same checks on the same flags in bf16 (test_megatron_lm_recipe.py)."""
+    CI runs it on the older tag; on the newest, CI's swap against the unpatched script
+    (below) and the recipe test (test_megatron_lm_recipe.py) swap in the real script."""
     ref = run(tag, "deadpool-a", "patched", FLAGS + ["--deadpool"], spares=1)
     s = run(tag, "deadpool-kill", "patched", FLAGS + ["--deadpool"], spares=1,
             inject=["kill:node=1@iter=7"])
