@@ -113,10 +113,11 @@ class Deadpool:
         cfg = self.config
         secret = auth.load_secret()
         sink = EventSink(cfg.events_path)
-        member = Member(env.lid, env.node, env.store_host, env.store_port, secret,
-                        cfg.heartbeat_interval_s, cfg.rendezvous_timeout_s)
         if cfg.count_work:
             counting.count_store_ops()
+        member = Member(env.lid, env.node, env.store_host, env.store_port, secret,
+                        cfg.heartbeat_interval_s, cfg.rendezvous_timeout_s,
+                        counted=counting.main_connection)
         world = World(self.backend, env.store_port, cfg.rendezvous_timeout_s,
                       cfg.collective_timeout_s, sink.emit,
                       gloo_op_timeout_s=cfg.gloo_op_timeout_s,

@@ -45,9 +45,19 @@ def state_diff(s, ref) -> dict:
     return out
 
 
+def job_output(p, tail: int = 5000) -> str:
+    """A failed job's story for an assertion message: the launcher's and DeadPool's own lines
+    first (what failed, fenced or recovered, and why: a CI log keeps only the message), then
+    the last ``tail`` characters of the output and of its errors."""
+    own = [x for x in p.stdout.splitlines() if x.startswith("[launch]") or "[deadpool" in x
+           and "[deadpool progress]" not in x]
+    return ("\n".join(own[-80:]) + "\n----- output tail -----\n" + p.stdout[-tail:]
+            + "\n----- errors tail -----\n" + (p.stderr or "")[-3000:])
+
+
 def assert_ok_and_bitwise(p, s, ref):
     """The job exited 0 and its final fingerprint and losses equal the failure-free run's."""
-    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
+    assert p.returncode == 0, job_output(p)
     assert_bitwise(s, ref)
 
 

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from conftest import launch
+from conftest import job_output, launch
 from mlm import REPO, patched_tree, python_for
 from test_megatron_lm_train import FLAGS, NEWEST, OLDER, ON_NEWEST_IN_CI
 
@@ -40,7 +40,7 @@ def _run(tree, d, name, flags, spares=0, inject=()):
     tag = _tag_of(tree)
     p, s = launch(d, flags, spares=spares, inject=inject, name=name, python=python_for(tag),
                   extra_launch=["--device", "cpu", "--script", str(tree / "pretrain_gpt.py")])
-    assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
+    assert p.returncode == 0, job_output(p)
     assert s["ok"] and s["final_state_sha256"], s
     return p, s
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import launch
+from conftest import job_output, launch
 from megatron_deadpool.adapters.tags import NAMES
 from megatron_deadpool.base.vocabulary import PHASE_ORDER
 from mlm import patched_tree, pristine_tree, python_for
@@ -62,7 +62,7 @@ def run(tmp_path_factory):
                           python=python_for(tag),
                           extra_launch=["--device", "cpu", "--script",
                                         str(trees[which] / "pretrain_gpt.py")])
-            assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
+            assert p.returncode == 0, job_output(p)
             assert s["ok"] and s["final_state_sha256"], s
             if which == "patched":  # the unpatched script has no hook that logs losses
                 assert s["completed_iters"] == 12, s
@@ -139,7 +139,7 @@ def test_last_resort_fallback_then_resume_is_bitwise(run, tag, tmp_path_factory)
     assert saved["iteration"] in (4, 5), saved  # the newest every rank's copy holds
     p, resumed = launch(d, FLAGS + ["--deadpool", "--deadpool-resume", str(d / "fb")],
                         spares=1, name="resumed", python=python_for(tag), extra_launch=script)
-    assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
+    assert p.returncode == 0, job_output(p)
     assert resumed["completed_iters"] == 12 - saved["iteration"]
     assert saved["iteration"] >= 6 - 2  # at most the iteration in flight and one more redone
     assert resumed["final_state_sha256"] == ref["final_state_sha256"]
@@ -169,7 +169,7 @@ def test_save_then_load_is_bitwise(run, tag, tmp_path_factory):
                                name=name, python=python_for(tag),
                                extra_launch=["--device", "cpu", "--script",
                                              str(tree / "pretrain_gpt.py")])
-        assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
+        assert p.returncode == 0, job_output(p)
         assert done[name]["final_state_sha256"] == ref["final_state_sha256"], done[name]
     saved, loaded = done["saved"], done["loaded"]
     assert loaded["completed_iters"] == 8 and loaded["losses"] == saved["losses"][4:]

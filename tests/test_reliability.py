@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import launch
+from conftest import job_output, launch
 from scenarios import LAYOUTS, SCENARIOS, judge, trainer_flags
 
 pytestmark = [pytest.mark.slow]
@@ -40,6 +40,6 @@ def test_scenario(layout, scenario, tmp_path, tmp_path_factory):
                   spares=scenario.spares,
                   inject=scenario.inject)
     verdict = judge(scenario, p.returncode, s, ref)
-    assert not verdict.startswith("FAILED"), (verdict, p.stdout[-6000:], p.stderr[-3000:])
+    assert not verdict.startswith("FAILED"), (verdict, job_output(p))
     if scenario.name == "local_error":
         assert "InjectedLocalError" in p.stdout + p.stderr  # its own traceback is shown

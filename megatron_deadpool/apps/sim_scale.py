@@ -120,6 +120,10 @@ def units(store_rate: Optional[Mapping] = None, split: Optional[Mapping] = None
         Unit("restore_record_store_ops", split["restore_state"]["record_store_ops"],
              "operations", "measured here", "the restore's operations per rank on the node "
              f"record stores (its own node's, its parent's): {where}"),
+        *[Unit(f"control_store_ops_{ph}", split[ph]["control_store_ops"], "operations",
+               "measured here", f"{ph}: the membership's operations per rank on the job's "
+               "one store (plan reads, the rendezvous and ready barriers, the waits for a "
+               f"declared failure, the reports): {where}") for ph in PHASE_ORDER],
         Unit("keep_round_bytes_per_group", float(keep_counter_bytes()), "bytes",
              "counted in the code", "one kept group's two counters (arrivals, hash sum) in "
              "a round record, as JSON (repair.topic, a 60-bit hash times a group of 100,000)"),
@@ -168,7 +172,8 @@ def load_split(path: Path = SPLIT_FILE) -> Dict:
         data = json.loads(Path(path).read_text())
         runs = data["runs"]
         out = {ph: {k: float(max(r["counts"].get(ph, {}).get(k, 0) for r in runs))
-                    for k in ("store_ops", "record_store_ops")} for ph in PHASE_ORDER}
+                    for k in ("store_ops", "record_store_ops", "control_store_ops")}
+               for ph in PHASE_ORDER}
     except (OSError, ValueError, KeyError) as exc:
         raise DeadpoolError(f"{path}: no store split ({exc!r}); measure one with `deadpool "
                             "bench recovery --counts --json F`") from None
@@ -323,7 +328,8 @@ class ScaleLaw:
                     * u["store_ops_per_keep_round"] * u["store_server_op_s"],
                     "record stores (keep votes: the round's bytes at the root's node)": 2
                     * kept * top_share(w, self.plans[w]["gpus_per_node"])
-                    * u["keep_round_bytes_per_group"] / u["store_server_bytes_s"]}
+                    * u["keep_round_bytes_per_group"] / u["store_server_bytes_s"],
+                    **self.control_term(w)}
         out = {"count_law": c.units.phase_s(self.phase, counted)}
         if self.phase == "abort":
             out["nccl_abort"] = u["nccl_abort_s"]
@@ -337,10 +343,18 @@ class ScaleLaw:
             gpn = self.plans[w]["gpus_per_node"]
             out["store_server (every rank reads the plan)"] = \
                 plan_read_bytes(w, gpn) / u["store_server_bytes_s"]
+        out.update(self.control_term(w))
         return out
 
     def __call__(self, w: float) -> float:
         return sum(self.terms(int(w)).values())
+
+    def control_term(self, w: int) -> Dict[str, float]:
+        """The job's one store serving every rank's membership operations of this phase
+        (counted apart from the groups' creation: ``control_store_ops``)."""
+        ops = self.unit.get(f"control_store_ops_{self.phase}", 0.0)
+        return {"store_server (every rank's membership operations)":
+                self.unit["store_server_op_s"] * w * ops} if ops else {}
 
     def to_json(self) -> Dict:
         top = max(self.plans)

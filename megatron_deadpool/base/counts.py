@@ -12,8 +12,12 @@
                       per group), mirror/socket_transport.py   and the mirror's own sockets
     store_ops         counting.py (CountingStore)              operations on this generation's
                                                                store (gloo's rendezvous, the
-                                                               mirror's addresses) and on the
-                                                               membership store's main connection
+                                                               mirror's addresses)
+    control_store_ops counting.py (main_connection)            operations of the membership's
+                                                               main connection on the job's one
+                                                               store: plan reads, the rendezvous
+                                                               and ready barriers, the waits for
+                                                               a declared failure, the reports
     record_store_ops  counting.py (counted)                    operations on the node record
                                                                stores (the rounds' records: a
                                                                rank's own node's and its parent's,
@@ -44,7 +48,7 @@ import threading
 from typing import Dict, Mapping
 
 KINDS = ("new_group_calls", "groups_created", "group_members", "connections", "store_ops",
-         "record_store_ops", "messages", "bytes", "groups_kept", "kept_members", "groups_rebuilt",
+         "control_store_ops", "record_store_ops", "messages", "bytes", "groups_kept", "kept_members", "groups_rebuilt",
          "rebuilt_members", "rebuilt_connections", "rebuilt_unsettled",
          "unsettled_connections", "groups_shrunk", "shrunk_members")
 

@@ -39,13 +39,16 @@ STANDBY_NAP_S = 1.0
 
 class Member:
     def __init__(self, lid: int, node: int, host: str, port: int, secret: str,
-                 heartbeat_interval_s: float, rendezvous_timeout_s: float):
+                 heartbeat_interval_s: float, rendezvous_timeout_s: float,
+                 counted: Callable = lambda store: store):
+        """``counted``: wraps the main connection of the coordinator's calls (plan reads,
+        barriers, reports) so that its operations are counted (--deadpool-count-work)."""
         self.lid, self.node = lid, node
         self.host, self.port, self.secret = host, port, secret
         self.heartbeat_interval_s = heartbeat_interval_s
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.store = st.connect(host, port, rendezvous_timeout_s)
-        self.coord = st.Coordinator(self.store, secret)
+        self.coord = st.Coordinator(counted(self.store), secret)
         self.stop_reason: Optional[str] = None
         self._bad_plans: set = set()  # generations whose plan slot did not verify (logged)
         self.sections = SectionTracker()  # the section heartbeats name (Deadpool.section)
@@ -53,6 +56,7 @@ class Member:
         self._news = threading.Event()  # the watcher saw a newer generation or a stop
         self._watcher: Optional[threading.Thread] = None
         self._watch_coord: Optional[st.Coordinator] = None
+        self._node_stores: dict = {}  # node -> its record store's verified (host, port)
 
     # -------------------------------------------------------------- admission and watch
     def admit(self, status: Callable[[], dict], on_generation: Callable[[int], None],
@@ -215,9 +219,17 @@ class Member:
                                 "(--deadpool-spare-ready-timeout)") from None
 
     # -------------------------------------------------------------- reports
-    def node_store(self, node: int):
-        """(host, port) of node ``node``'s record store, or None (store.Coordinator's)."""
-        return self.coord.node_store(node)
+    def node_store(self, node: int, fresh: bool = False):
+        """(host, port) of node ``node``'s record store, or None (store.Coordinator's).
+        A verified address is kept: a node's agent publishes it once, before its workers
+        start, so a recovery reads no address from the job's store again (``fresh``: read
+        it again, after a connection to the kept one failed)."""
+        if fresh or node not in self._node_stores:
+            where = self.coord.node_store(node)
+            if where is None:
+                return None
+            self._node_stores[node] = where
+        return self._node_stores[node]
 
     def push_event(self, kind: EventKind, **fields) -> None:
         self.coord.push_event(kind, lid=self.lid, **fields)

@@ -43,6 +43,14 @@ def generation_store(store):
     return counted
 
 
+def main_connection(store):
+    """The membership's main connection to the job's store (plan reads, the rendezvous and
+    ready barriers, reports), its operations counted as ``control_store_ops`` when
+    ``count_store_ops`` was called (they land on the job's one store, apart from the
+    groups' creation); for Python callers only."""
+    return counting_store(store, "control_store_ops") if _store_ops else store
+
+
 def counted(store):
     """A node's record store, its operations counted as ``record_store_ops`` when
     ``count_store_ops`` was called (apart from the job's store: they land on another

@@ -249,7 +249,14 @@ class World:
                 if where is None:
                     clients[node] = own
                 else:
-                    inner.append(counting.counted(ab.record_store_client(*where, timeout)))
+                    try:
+                        client = ab.record_store_client(*where, timeout)
+                    except Exception:  # noqa: BLE001 - a kept address gone stale: read it again
+                        where = self.node_store(node, fresh=True)
+                        if where is None:
+                            raise
+                        client = ab.record_store_client(*where, timeout)
+                    inner.append(counting.counted(client))
                     clients[node] = dist.PrefixStore(f"gen{plan.gen}/", inner[-1])
             return clients[node]
         self._records = (plan.gen, at)
