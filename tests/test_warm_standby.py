@@ -109,8 +109,23 @@ def test_the_refilled_standby_takes_the_next_crash_on_its_node():
     assert [r["warm"] for r in d.local.records] == [True, True]
 
 
-def test_a_crash_before_the_refill_is_up_waits_for_it_rather_than_start_another():
+def test_a_crash_before_the_refill_is_up_is_taken_by_an_idle_spare_at_once():
+    """Issue 58: two crashes on node 2 one iteration apart; the second came before the
+    refill was up and waited 11.5 s for its start. An idle spare takes it at once now."""
     d, c, cmds = _decider()
+    c.push_event("exit", lid=5, code=-9, node=2)
+    d.step()
+    d.step()
+    c.push_event("exit", lid=4, code=-9, node=2)  # the refill has not joined yet
+    d.step()
+    d.step()
+    assert d.gen == 2 and c.get_plan(2).spare_of_rank == {4: 8}  # no wait for a start
+    assert [r["warm"] for r in d.local.records] == [True]  # no second local restart
+    assert len([x for x in cmds if x[1]["op"] == "spawn"]) == 1  # the first one's refill
+
+
+def test_with_no_idle_spare_a_crash_before_the_refill_is_up_waits_for_it():
+    d, c, cmds = _decider(spare_nodes=0)  # standbys 8..11 on nodes 0..3
     c.push_event("exit", lid=5, code=-9, node=2)
     d.step()
     d.step()

@@ -251,7 +251,8 @@ class Decider:
         while one is still starting (the plan waits for it, bounded)."""
         starting = self.local.request(self.pending_dead, self.procs,
                                       lambda node: self.agents.alive(node, self.clock()),
-                                      self._spawn_spare, self.emit, self.log)
+                                      self._spawn_spare, self.emit, self.log,
+                                      idle_spares=len(self._pool()))
         return starting and self.clock() - self.first_dead_t < self.config.local_restart_wait_s
 
     def _pool(self) -> list:

@@ -11,6 +11,11 @@ of spending a spare node (spares are for dead nodes).
 
 A node whose processes all died, or whose agent went silent, is a dead node: spares.
 If the replacement does not come up within the starting-spare wait, the rank takes a spare.
+
+A second crash on the node before its refill is up (its standby still starting): an idle
+spare process takes the rank at once, as for a dead node, rather than wait for a process
+still starting (11.5 s on CPU, issue 58); with no idle spare, the refill (or a cold start)
+takes it when it is up.
 """
 
 from __future__ import annotations
@@ -57,11 +62,15 @@ class LocalRestarts:
     def request(self, dead: Iterable[int], procs: Mapping[int, Proc],
                 node_healthy: Callable[[int], bool],
                 spawn: Callable[[int, int, bool], int],
-                emit: Callable[..., None], log: Callable[[str], None]) -> bool:
+                emit: Callable[..., None], log: Callable[[str], None],
+                idle_spares: int = 0) -> bool:
         """Request in-place replacements for the dead ranks that qualify: the node's idle
         warm standby, refilled by ``spawn(node, replaces, standby=True)``, else a process
         started cold by ``spawn(node, replaces, False)`` (each returns the new lid); True
-        while a replacement is still starting."""
+        while a replacement is still starting. A rank whose node's standby is still
+        starting (a refill) is left to the spares while ``idle_spares`` (the idle spare
+        processes) last; with no standby at all (--deadpool-local-standby 0) the cold
+        restart in place is the user's choice, kept."""
         for lid in sorted(dead):
             p = procs[lid]
             peers = [q for q in procs.values() if q.node == p.node and q.lid != lid
@@ -70,6 +79,11 @@ class LocalRestarts:
             if not self.eligible(p.rank, node_healthy(p.node), len(peers)):
                 continue
             standby = node_standby(procs, p.node, taken=self.reserved.values())
+            if standby is not None and procs[standby].state != ProcState.ALIVE and idle_spares:
+                idle_spares -= 1
+                log(f"rank {p.rank} (process {lid}) crashed on healthy node {p.node}, which "
+                    "has no idle standby now (its refill is starting): an idle spare takes it")
+                continue
             if standby is not None:
                 spawn(p.node, standby, True)  # the refill starts now, off the recovery's path
                 new = standby
