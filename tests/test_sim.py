@@ -195,3 +195,30 @@ def test_the_spare_pool_is_sized_with_repairs_by_default(tmp_path, capsys):
     assert main(["sim", "--law", "fit", "--json", str(tmp_path / "s.json")]) == 0
     out = capsys.readouterr().out
     assert "the machine they leave idle" in out and "100000 GPUs 64 (0.26%)" in out
+
+
+def test_correlated_failures_take_a_whole_domain_of_spares():
+    """A share of the failure events takes a whole domain: N = X + D Y (issue 59)."""
+    from megatron_deadpool.apps import sim
+
+    mu = 3.0
+    for n in (0, 2, 5, 17, 18, 40):
+        assert sim.nodes_lost_cdf(n, mu, 0.0, 18) == sim.poisson_cdf(n, mu)  # none: a node each
+        # every event a domain of 18: at most n nodes is at most n // 18 events
+        assert abs(sim.nodes_lost_cdf(n, mu, 1.0, 18) - sim.poisson_cdf(n // 18, mu)) < 1e-12
+    n, p = sim.spares_needed_correlated(mu, 0.1, 18, 0.99)
+    n1, _ = sim.spares_needed(mu, 0.99)
+    assert p >= 0.99 > sim.nodes_lost_cdf(n - 1, mu, 0.1, 18) and n > n1
+    out = sim.spares(sim.SimConfig(domain_share=0.1))
+    top = out["per_scale"]["100000"]
+    assert out["domain_share"] == 0.1 and top["spare_nodes"] > \
+        sim.spares(sim.SimConfig())["per_scale"]["100000"]["spare_nodes"]
+    assert top["spare_nodes_upper_domain"] >= 1
+
+
+def test_a_domain_share_outside_0_1_is_refused():
+    from megatron_deadpool.apps import sim
+
+    for bad in ({"domain_share": -0.1}, {"domain_share": 1.5}, {"domain_nodes": 0}):
+        with pytest.raises(sim.SimError):
+            sim.SimConfig(**bad)

@@ -33,6 +33,20 @@ REPAIR_SOURCE = ("Schroeder and Gibson, 'A large-scale study of failures in high
                  "taken")
 
 
+# Correlated failures: a share of the failure events takes a whole failure domain at once.
+# The domain: an NVLink rack of 18 compute trays of 4 GPUs (NVIDIA GB200 NVL72), which
+# shares a power shelf and switch trays. The share: Llama 3's "network switch/cable" events,
+# 35 of its 419 unexpected interruptions (arXiv 2407.21783, table 5), all taken as a whole
+# domain lost (an upper end: a cable takes one node).
+DOMAIN_SOURCE = ("a domain: an NVLink rack, 18 compute trays x 4 GPUs (NVIDIA GB200 NVL72); "
+                 "the share of failure events that take a whole domain: Llama 3's network "
+                 "switch/cable events, 35 of 419 (arXiv 2407.21783, table 5), all taken as "
+                 "a whole domain lost (an upper end)")
+
+
+UPPER_DOMAIN = (18, 35 / 419)  # (domain nodes, share of the events): DOMAIN_SOURCE
+
+
 class SimError(ConfigError):
     """Invalid simulator input, detected before anything is computed."""
 
@@ -53,6 +67,12 @@ class SimConfig:
     # a failed node returns to the pool after this long (0: never, within the job):
     # REPAIR_SOURCE
     repair_hours: float = 24.0
+    # correlated failures: a share of the failure events takes a whole domain of this many
+    # nodes (a share of 0 or a domain of 1: every failure is one node). Off by default: no
+    # source gives the share of whole-rack losses; the output also prints the upper end
+    # (UPPER_DOMAIN: DOMAIN_SOURCE) beside the default
+    domain_nodes: int = 18
+    domain_share: float = 0.0
     link_gbps: float = 200.0                   # inter-node, per GPU
     checkpoint_interval_min: Optional[float] = None   # None: Young's optimum per scale
     checkpoint_write_s: float = 60.0
@@ -93,6 +113,10 @@ class SimConfig:
             raise SimError("--mirror-overhead must be in [0, 1)")
         if self.spare_nodes is not None and self.spare_nodes < 0:
             raise SimError("--spare-nodes must be >= 0")
+        if self.domain_nodes < 1:
+            raise SimError(f"--domain-nodes must be >= 1, got {self.domain_nodes}")
+        if not 0 <= self.domain_share <= 1:
+            raise SimError(f"--domain-share must be in [0, 1], got {self.domain_share}")
 
     @property
     def node_mtbf_h(self) -> float:
@@ -107,6 +131,8 @@ class SimConfig:
                                    "unexpected interruptions) / gpus_per_node")
         out["repair_source"] = (REPAIR_SOURCE if self.repair_hours == SimConfig.repair_hours
                                 else "--repair-hours")
+        out["domain_source"] = (DOMAIN_SOURCE if (self.domain_nodes, self.domain_share)
+                                == UPPER_DOMAIN else "--domain-nodes, --domain-share")
         return out
 
 
@@ -231,22 +257,53 @@ def spares_needed(mu: float, target: float) -> Tuple[int, float]:
     return n, min(1.0, p)
 
 
+def nodes_lost_cdf(n: int, mu: float, share: float, domain: int) -> float:
+    """P(at most ``n`` nodes down at once in the window) when the failure events are
+    Poisson(``mu``) and a ``share`` of them takes ``domain`` nodes at once: N = X + domain Y,
+    X ~ Poisson(mu (1 - share)) single nodes, Y ~ Poisson(mu share) whole domains."""
+    if domain <= 1 or share <= 0:
+        return poisson_cdf(n, mu)
+    mu_y = mu * share
+    return min(1.0, math.fsum(
+        math.exp(-mu_y + y * math.log(mu_y) - math.lgamma(y + 1))
+        * poisson_cdf(n - domain * y, mu * (1 - share)) for y in range(n // domain + 1)))
+
+
+def spares_needed_correlated(mu: float, share: float, domain: int, target: float
+                             ) -> Tuple[int, float]:
+    """Smallest n with P(N <= n) >= target (``nodes_lost_cdf``), and that probability."""
+    if domain <= 1 or share <= 0:
+        return spares_needed(mu, target)
+    n = 0
+    while nodes_lost_cdf(n, mu, share, domain) < target:
+        n += 1
+    return n, nodes_lost_cdf(n, mu, share, domain)
+
+
 def spares(cfg: SimConfig) -> Dict:
     window = cfg.repair_hours or cfg.job_hours
     per = {}
     for g in cfg.gpus:
         nodes = g // cfg.gpus_per_node
         mu = nodes * window / cfg.node_mtbf_h
-        n, p = spares_needed(mu, cfg.target_probability)
+        n, p = spares_needed_correlated(mu, cfg.domain_share, cfg.domain_nodes,
+                                        cfg.target_probability)
+        n_upper, _ = spares_needed_correlated(mu, UPPER_DOMAIN[1], UPPER_DOMAIN[0],
+                                              cfg.target_probability)
         per[str(g)] = {"expected_failures": round(mu, 3), "spare_nodes": n,
                        "probability": round(p, 6),
                        # the spares' GPUs idle while the job trains: a share of the machine
-                       "idle_share": round(n / (nodes + n), 6)}
+                       "idle_share": round(n / (nodes + n), 6),
+                       # the same with UPPER_DOMAIN's correlated failures (DOMAIN_SOURCE)
+                       "spare_nodes_upper_domain": n_upper,
+                       "idle_share_upper_domain": round(n_upper / (nodes + n_upper), 6)}
         if cfg.spare_nodes is not None:
-            per[str(g)]["probability_with_given_spares"] = round(
-                poisson_cdf(cfg.spare_nodes, mu), 6)
+            per[str(g)]["probability_with_given_spares"] = round(nodes_lost_cdf(
+                cfg.spare_nodes, mu, cfg.domain_share, cfg.domain_nodes), 6)
     top = per[str(max(cfg.gpus))]
-    return {"model": "Poisson: failures in the window ~ Poisson(nodes x window / node MTBF)",
+    return {"model": "Poisson: failure events in the window ~ Poisson(nodes x window / node "
+                     "MTBF); a share of them takes a whole domain of nodes at once",
+            "domain_nodes": cfg.domain_nodes, "domain_share": round(cfg.domain_share, 6),
             "target_probability": cfg.target_probability, "window_hours": window,
             "window": "repair time" if cfg.repair_hours else "job length",
             "node_mtbf_hours": round(cfg.node_mtbf_h, 1), "gpus": max(cfg.gpus),

@@ -40,6 +40,15 @@ def format_table(result: Dict) -> List[str]:
         "baseline: " + ", ".join(f"{g} GPUs {x:+.2%}" for g, x in gain.items()))
     lines.append(f"  repairs: {a['repair_source']}" if sp["repair_hours"] else
                  "  repairs: none (--repair-hours 0: a failed node never returns in the job)")
+    lines.append(f"  correlated failures: {sp['domain_share']:.1%} of the failure events take "
+                 f"a whole domain of {sp['domain_nodes']} nodes at once ({a['domain_source']})"
+                 if sp["domain_nodes"] > 1 and sp["domain_share"] > 0 else
+                 "  correlated failures: none (every failure takes one node; --domain-share)")
+    up = sim.UPPER_DOMAIN
+    lines.append(f"  with the upper end, {up[1]:.1%} of the events taking a rack of {up[0]} "
+                 f"nodes ({sim.DOMAIN_SOURCE}): " + ", ".join(
+                     f"{g} GPUs {v['spare_nodes_upper_domain']} "
+                     f"({v['idle_share_upper_domain']:.2%})" for g, v in sp["per_scale"].items()))
     lines.append("scaling law: " + ", ".join(
         f"{ph} {law['form']}" for ph, law in result["scaling_law"].items()))
     for ph, law in result["scaling_law"].items():  # the count law: where growth comes from
@@ -180,6 +189,13 @@ def add_arguments(sp) -> None:
     sp.add_argument("--pp", type=int, default=d.pp)
     sp.add_argument("--spare-nodes", type=int, default=None,
                     help="report P(never running out) with this many spare nodes")
+    sp.add_argument("--domain-nodes", type=int, default=d.domain_nodes,
+                    help="nodes of a failure domain (a rack) that a correlated failure takes "
+                         f"at once (default {d.domain_nodes}: an NVL72 rack; 1: none)")
+    sp.add_argument("--domain-share", type=float, default=d.domain_share,
+                    help="share of the failure events that take a whole domain (default "
+                         f"{d.domain_share:g}: none; Llama 3's switch/cable events were 35 of "
+                         "419, 0.0835, an upper end)")
     for flag, default, what in flt:
         sp.add_argument(flag, type=float, default=default, help=f"{what} (default {default})")
     sp.add_argument("--measured", default=None, metavar="R.json",
