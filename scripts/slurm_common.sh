@@ -31,6 +31,11 @@
 #   DEADPOOL_COORD_ADDR the batch node's address the other nodes reach it on (default:
 #                      $SLURM_LAUNCH_NODE_IPADDR as srun reports it to every task)
 #   MASTER_PORT        coordinator store port is MASTER_PORT+1 (default: a free pair)
+#   DEADPOOL_FAILURE_DOMAINS  "slurm": each node's failure domain is its leaf switch in
+#                      Slurm's topology (scontrol show topology; launch/slurm_topology.py),
+#                      written to $OUT/domains.json and passed as --deadpool-failure-domains
+#                      file:...: each rank's buddies on other switches. Or blocks:N or
+#                      file:PATH, passed as they are. Default: none (the node ring)
 #   DEADPOOL_LAUNCH_FLAGS extra `deadpool launch` flags (--inject, --device, ...)
 #   DEADPOOL_REQUEUE   N > 0: the last resort under Slurm. The job runs with
 #                      --deadpool-fallback-save $OUT/fallback; when DeadPool stops (no spare
@@ -93,11 +98,23 @@ deadpool_prepare() {
      > "$DEADPOOL_TOKEN_FILE")
   unset DEADPOOL_TOKEN
   deadpool_trainer_flags
+  deadpool_failure_domains
   export DEADPOOL_REPO DEADPOOL_PYTHON ACTIVE_NODES PROCS_PER_NODE SPARE_NODES OUT \
     NODE_ORDER MASTER_PORT DEADPOOL_TOKEN_FILE
   echo "deadpool: job $SLURM_JOB_ID: $ACTIVE_NODES active + $SPARE_NODES spare node(s)" \
        "x $PROCS_PER_NODE; coordinator on batch node $BATCH_NODE" \
        "(${DEADPOOL_COORD_ADDR:-SLURM_LAUNCH_NODE_IPADDR}:$MASTER_PORT+1); output in $OUT"
+}
+
+deadpool_failure_domains() { # appends --deadpool-failure-domains to TRAIN_FLAGS
+  local spec=${DEADPOOL_FAILURE_DOMAINS:-}
+  [ -n "$spec" ] || return 0
+  if [ "$spec" = slurm ]; then
+    "$DEADPOOL_PYTHON" -m megatron_deadpool.launch.slurm_topology --nodes "$NODE_ORDER" \
+      --out "$OUT/domains.json" || deadpool_die "DEADPOOL_FAILURE_DOMAINS=slurm: no domains"
+    spec=file:$OUT/domains.json
+  fi
+  TRAIN_FLAGS+=(--deadpool-failure-domains "$spec")
 }
 
 deadpool_trainer_flags() { # fills the array TRAIN_FLAGS
