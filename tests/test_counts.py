@@ -118,3 +118,34 @@ def test_group_creation_is_counted_on_a_real_gloo_world():
     assert got[0][1]["groups_created"] == 2 and got[0][1]["group_members"] == 3
     assert got[1][1]["groups_created"] == 1 and got[1][1]["group_members"] == 2
     assert got[0][1]["connections"] == got[1][1]["connections"] == 1
+
+
+def test_the_memberships_operations_on_the_jobs_store_are_counted_apart(monkeypatch):
+    """The membership's main connection (plan reads, the barriers) lands on the job's one
+    store: counted as control_store_ops when the work is counted (--deadpool-count-work),
+    apart from the groups' store_ops, and not at all otherwise."""
+    import socket
+
+    from megatron_deadpool.membership import store as st
+    from megatron_deadpool.membership.member import Member
+    from megatron_deadpool.recovery import counting
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = st.connect("127.0.0.1", port, 10, is_master=True)  # noqa: F841 - serves
+    secret = "s" * 32
+
+    def ops(member):
+        before = counts.snapshot()
+        member.current_gen()
+        member.membership_moved(0)
+        return counts.delta(before, counts.snapshot())
+
+    monkeypatch.setattr(counting, "_store_ops", False)
+    off = Member(0, 0, "127.0.0.1", port, secret, 0.5, 10, counted=counting.main_connection)
+    assert ops(off) == {}
+    monkeypatch.setattr(counting, "_store_ops", True)
+    on = Member(1, 0, "127.0.0.1", port, secret, 0.5, 10, counted=counting.main_connection)
+    got = ops(on)
+    assert got.get("control_store_ops", 0) >= 2 and "store_ops" not in got, got
