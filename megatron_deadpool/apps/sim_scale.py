@@ -123,7 +123,8 @@ def units(store_rate: Optional[Mapping] = None, split: Optional[Mapping] = None
         *[Unit(f"control_store_ops_{ph}", split[ph]["control_store_ops"], "operations",
                "measured here", f"{ph}: the membership's operations per rank on the job's "
                "one store (plan reads, the rendezvous and ready barriers, the waits for a "
-               f"declared failure, the reports): {where}") for ph in PHASE_ORDER],
+               f"declared failure, the reports): {where}") for ph in PHASE_ORDER
+          if split[ph]["control_store_ops"]],  # a phase without any: no unit, no term
         Unit("keep_round_bytes_per_group", float(keep_counter_bytes()), "bytes",
              "counted in the code", "one kept group's two counters (arrivals, hash sum) in "
              "a round record, as JSON (repair.topic, a 60-bit hash times a group of 100,000)"),
