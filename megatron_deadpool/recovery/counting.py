@@ -45,17 +45,16 @@ def generation_store(store):
 
 def main_connection(store):
     """The membership's main connection to the job's store (plan reads, the rendezvous and
-    ready barriers, reports), its operations counted as ``control_store_ops`` when
-    ``count_store_ops`` was called (they land on the job's one store, apart from the
-    groups' creation); for Python callers only."""
-    return counting_store(store, "control_store_ops") if _store_ops else store
+    ready barriers, reports), its operations counted as ``control_store_ops`` (they land on
+    the job's one store, apart from the groups' creation)."""
+    return counted(store, "control_store_ops")
 
 
-def counted(store):
-    """A node's record store, its operations counted as ``record_store_ops`` when
-    ``count_store_ops`` was called (apart from the job's store: they land on another
-    server); for Python callers only (the rounds): nothing kept alive for torch's C++."""
-    return counting_store(store, "record_store_ops") if _store_ops else store
+def counted(store, what: str = "record_store_ops"):
+    """``store`` with its operations counted as ``what`` when ``count_store_ops`` was called
+    (a node's record store by default: apart from the job's store, they land on another
+    server); for Python callers only (nothing kept alive for torch's C++)."""
+    return counting_store(store, what) if _store_ops else store
 
 
 def count_group(backend: str, size: int, lazy: bool = False) -> None:
