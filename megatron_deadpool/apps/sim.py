@@ -271,12 +271,42 @@ def nodes_lost_cdf(n: int, mu: float, share: float, domain: int) -> float:
 
 def spares_needed_correlated(mu: float, share: float, domain: int, target: float
                              ) -> Tuple[int, float]:
-    """Smallest n with P(N <= n) >= target (``nodes_lost_cdf``), and that probability."""
+    """Smallest n with P(N <= n) >= target (``nodes_lost_cdf``), and that probability. The
+    search runs on the CDF of X tabulated once (O(n) terms) and a bisection (O(n / domain)
+    per step); ``nodes_lost_cdf`` itself then settles the boundary. Trying n = 0, 1, ...
+    with ``nodes_lost_cdf`` each time is O(n^3 / domain): 580 s for the 720-hour window at
+    100,000 GPUs (n about 4,000)."""
     if domain <= 1 or share <= 0:
         return spares_needed(mu, target)
-    n = 0
+    mu_x, mu_y = mu * (1 - share), mu * share
+    cdf_x: List[float] = []
+    pmf_y: List[float] = []
+
+    def table(n: int) -> None:
+        while len(cdf_x) <= n:
+            i = len(cdf_x)
+            term = math.exp(-mu_x + i * math.log(mu_x) - math.lgamma(i + 1)) if mu_x > 0 \
+                else float(i == 0)
+            cdf_x.append((cdf_x[-1] if cdf_x else 0.0) + term)
+        while len(pmf_y) <= n // domain:
+            y = len(pmf_y)
+            pmf_y.append(math.exp(-mu_y + y * math.log(mu_y) - math.lgamma(y + 1)))
+
+    def cdf(n: int) -> float:
+        table(n)
+        return sum(pmf_y[y] * cdf_x[n - domain * y] for y in range(n // domain + 1))
+
+    lo, hi = 0, 1
+    while cdf(hi) < target:
+        lo, hi = hi, hi * 2
+    while lo < hi:  # the smallest n in [lo, hi] with cdf(n) >= target
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if cdf(mid) < target else (lo, mid)
+    n = lo
     while nodes_lost_cdf(n, mu, share, domain) < target:
         n += 1
+    while n > 0 and nodes_lost_cdf(n - 1, mu, share, domain) >= target:
+        n -= 1
     return n, nodes_lost_cdf(n, mu, share, domain)
 
 
