@@ -46,7 +46,12 @@ class Deadpool:
         self.config = config
         self.backend = backend
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if device == "cuda":
+        if device == "cuda" and self.local_rank < 0:
+            # a node's warm standby: the GPU is the one of the rank it takes (bound then,
+            # control/runtime.py); before that only the rank-independent part is warmed
+            torch.cuda.init()
+            self.device = torch.device("cuda")
+        elif device == "cuda":
             torch.cuda.set_device(self.local_rank)
             self.device = torch.device("cuda", self.local_rank)
         else:
@@ -78,6 +83,9 @@ class Deadpool:
             self._runtime = self._make_runtime(env or WorkerEnv.from_env())
             try:
                 self._runtime.join()  # spare: blocks until promoted; sets rank/world_size
+                if self.local_rank < 0 and self.device.type == "cuda":  # a standby's GPU
+                    self.local_rank = self._runtime.local_rank
+                    self.device = torch.device("cuda", self.local_rank)
             except BaseException:
                 # Nobody else holds this handle: stop the watcher thread and free the groups
                 # here, or the process leaves with a daemon thread inside a store call and

@@ -14,7 +14,7 @@ are part of the store's format.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Mapping, Optional, Tuple
+from typing import Hashable, List, Mapping, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,16 @@ class Plan:
     def rank(self, lid: int) -> Optional[int]:
         """``lid``'s rank in this generation; None when it is not a member."""
         return self.rank_of.get(lid)
+
+    def lids_beside(self, rank: int) -> List[int]:
+        """The processes on ``rank``'s node in this plan (its own included), by rank."""
+        node = self.node_of_rank[rank]
+        return sorted((lid for lid, r in self.rank_of.items() if self.node_of_rank[r] == node),
+                      key=self.rank_of.__getitem__)
+
+    def newcomers(self) -> set:
+        """The processes that took a rank in this plan (spares, standbys)."""
+        return set(self.spare_of_rank.values())
 
     @property
     def detect_s(self) -> float:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import List, Mapping, Optional
 
 from . import faults as fault_schedule
-from .errors import DeadpoolError
+from .errors import ConfigError, DeadpoolError
 from .state import Role
 
 _NAMES = {"lid": "DEADPOOL_LID", "node": "DEADPOOL_NODE", "role": "DEADPOOL_ROLE",
@@ -30,6 +30,38 @@ PROGRESS_PREFIX = "[deadpool progress] "
 # The pid of the process that started a worker (its node's launcher), written into the
 # worker's environment before the fork (``launch/agent.py``): ``exit_with_launcher``.
 LAUNCHER_PID = "DEADPOOL_LAUNCHER_PID"
+
+
+# LOCAL_RANK of a node's warm standby on a GPU node (not in the shared-GPU mode): it binds no
+# GPU until it takes a crashed rank, and then takes the GPU that rank's process used.
+UNBOUND = "-1"
+
+
+def physical_id(local_rank: int, env=os.environ) -> str:
+    """The GPU a process bound to ``local_rank`` uses, as this machine names it (its
+    ``CUDA_VISIBLE_DEVICES`` entry, else the index): what its heartbeats report, so that a
+    standby that takes a rank of the node knows which GPUs are in use."""
+    listed = env.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        ids = [x.strip() for x in listed.split(",") if x.strip()]
+        if 0 <= local_rank < len(ids):
+            return ids[local_rank]
+    return str(local_rank)
+
+
+def promoted_gpu(visible: List[str], used: List[str], newcomers: List[int], me: int) -> int:
+    """The index (into ``visible``, this process's devices) of the GPU a promoted standby
+    binds: the GPUs its node's other members do not use (``used``, from their heartbeats),
+    in order, shared out among the processes promoted on the node in the same plan
+    (``newcomers``, by rank: two crashes on one node at once take two GPUs, not one).
+    Raises ConfigError when none is free."""
+    free = [i for i, g in enumerate(visible) if g not in set(used)]
+    k = sorted(newcomers).index(me) if me in newcomers else 0
+    if k >= len(free):
+        raise ConfigError(f"no free GPU for a promoted standby on this node: visible "
+                          f"{visible}, in use by its other ranks {sorted(set(used))}")
+    return free[k]
+
 
 
 @dataclass(frozen=True)

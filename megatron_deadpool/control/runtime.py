@@ -26,6 +26,7 @@ from ..base.plan import Plan
 from ..base.state import RankState, Role, WorkerState
 from ..base.vocabulary import SECTION_PHASES, Event, Phase
 from ..base.worker_env import WorkerEnv
+from ..base import worker_env as gpus
 from ..membership.member import Member
 from ..membership.store import EventKind
 from ..recovery.boundary import Action, Boundary, PlannedSwap
@@ -51,6 +52,11 @@ class Runtime:
                  attachment: Attachment, links: Links, sink: EventSink,
                  with_cuda: bool = False):
         self.config, self.env, self.with_cuda = config, env, with_cuda
+        # the GPU this process uses, as its machine names it (heartbeats report it); None on
+        # CPU and for a node's standby until it takes a rank (its GPU is bound then)
+        self.gpu: Optional[str] = gpus.physical_id(env.local_rank) \
+            if with_cuda and env.local_rank >= 0 else None
+        self.local_rank = env.local_rank  # a standby's: UNBOUND until it takes a rank
         self.member, self.world, self.att, self.sink = member, world, attachment, sink
         self.links, self.holders = links, GroupHolders()
         self.state = RankState(lid=env.lid, node=env.node, role=env.role)
@@ -101,15 +107,34 @@ class Runtime:
             self.close(destroy=False)
             raise SystemExit(0) from None
         self.state = self.state.promote(plan)
+        if self.with_cuda and self.gpu is None:
+            self._bind_gpu(plan)  # before its world forms: NCCL binds the current device
         self.sink.emit(Event.PROMOTED, lid=self.env.lid, rank=self.state.rank,
-                       generation=plan.gen)
+                       generation=plan.gen, gpu=self.gpu)
         return Attempt(cause=DeadpoolError("promoted"), iteration_at_failure=None, plan=plan,
                        lid=self.env.lid, timer=PhaseTimer(self.sink), joined=True,
                        role=self.state.role, startup=True)
 
+    def _bind_gpu(self, plan: Plan) -> None:
+        """A node's standby took a rank: it binds the GPU its node's other members do not
+        use (their heartbeats name theirs), shared out by rank among the processes promoted
+        on the node in the same plan (launch/gpus.py ``promoted_gpu``)."""
+        import torch
+
+        mine, fresh = plan.lids_beside(self.state.rank), plan.newcomers()
+        beats = self.member.heartbeats([lid for lid in mine if lid not in fresh])
+        visible = [gpus.physical_id(i) for i in range(torch.cuda.device_count())]
+        idx = gpus.promoted_gpu(visible, [b.get("gpu") for b in beats.values()],
+                                [plan.rank(lid) for lid in mine if lid in fresh],
+                                self.state.rank)
+        torch.cuda.set_device(idx)
+        self.gpu, self.local_rank = visible[idx], idx
+        log.info("standby took rank %s on GPU %s (device %d)", self.state.rank, self.gpu, idx)
+
     def _status(self) -> dict:
+        gpu = {} if self.gpu is None else {"gpu": self.gpu}
         return {"iteration": self.state.iteration, "state": self.state.mode,  # heartbeats
-                "gen": self.state.generation, **self.att.status()}
+                "gen": self.state.generation, **gpu, **self.att.status()}
 
     def _on_generation(self, gen: int) -> None:
         if self.boundary.planned(gen, self.state):

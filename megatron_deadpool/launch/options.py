@@ -91,6 +91,8 @@ class LaunchOptions:
         P = self.procs_per_node
 
         def env(w: WorkerSpec) -> dict:
+            if w.standby and not self.share_gpu:  # it binds the GPU of the rank it takes
+                return placement.standby_env(gpus, w.node, P, pin=self.simulated)
             slot = w.node * P + w.local_rank if self.simulated else w.local_rank
             return placement.process_env(gpus, slot, w.node, w.lid, self.share_gpu,
                                          pin=self.simulated)
@@ -167,11 +169,10 @@ def validate(opts: LaunchOptions):
     if opts.device == "cuda":
         from . import gpus
 
-        if cfg.standbys_per_node and not opts.share_gpu:
-            raise ConfigError("--deadpool-local-standby with --device cuda needs --share-gpu: "
-                              "binding a standby's GPU when it takes a rank is not built yet; "
-                              "--deadpool-local-standby 0 restarts a crashed rank cold")
-        gpus.check(opts.procs_here(cfg.enabled, cfg.standbys_per_node), opts.share_gpu,
+        # a node's standbys share its GPUs (none bound until one takes a rank): only the
+        # processes that hold a GPU count, except in the shared mode, where each is placed
+        standbys = cfg.standbys_per_node if opts.share_gpu else 0
+        gpus.check(opts.procs_here(cfg.enabled, standbys), opts.share_gpu,
                    gpus.visible_gpus())
     return cfg, faults
 

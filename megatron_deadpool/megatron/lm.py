@@ -380,6 +380,7 @@ def join(args) -> Session:
     args.rank, args.world_size = handle.rank, handle.world_size
     if handle.promoted:
         training_globals.adopt_rank(args)
+        args.local_rank = handle.local_rank  # a node's standby: the GPU it took
     mark_sections(training, handle.section)  # save, eval, data: their own timeouts
     return _session
 

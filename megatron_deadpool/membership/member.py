@@ -231,6 +231,10 @@ class Member:
             self._node_stores[node] = where
         return self._node_stores[node]
 
+    def heartbeats(self, lids) -> dict:
+        """The verified last heartbeats of ``lids`` (store.Coordinator's)."""
+        return self.coord.heartbeats(lids)
+
     def push_event(self, kind: EventKind, **fields) -> None:
         self.coord.push_event(kind, lid=self.lid, **fields)
 
