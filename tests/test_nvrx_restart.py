@@ -193,3 +193,129 @@ def test_ft_launcher_restarts_deadpool_after_the_spares_run_out(tmp_path_factory
     # each iteration's loss as last logged (the stopped run's up to the fallback, the
     # restarted run's after it: one results folder) is the uninterrupted run's
     assert s["losses"] == ref["losses"], (s["losses"], ref["losses"])
+
+
+# ------------------------------------------------------------------ one ft_launcher per node
+class _PerNode:
+    """One NVRx ft_launcher per simulated node (issue 59), as users deploy them under srun:
+    each runs ``deadpool launch --node-rank $GROUP_RANK`` (the node rank ft_launcher's
+    rendezvous gave it), all in one rendezvous. On one machine each launcher is its own
+    host through ``--local-addr`` (NVRx refuses two launchers of one host in a rendezvous).
+    The first launcher hosts the rendezvous store, as the batch node does on a cluster: a
+    node loss takes another node's launcher with its processes (SIGKILL of its session)."""
+
+    def __init__(self, d: Path, tree: Path, nodes: int, spares: int, extra=()):
+        from megatron_deadpool.launch.options import free_port, free_port_pair
+
+        self.d, self.n, self.procs = d, nodes + spares, []
+        self.rdzv, master = free_port(), free_port_pair()
+        self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
+                        DEADPOOL_TOKEN="f" * 32)
+        self.launch = " ".join(
+            [str(PEERS_PY), "-m", "megatron_deadpool.apps.cli", "launch", "--nodes",
+             str(nodes), "--procs-per-node", "2", "--spare-nodes", str(spares),
+             "--node-rank", "$GROUP_RANK", "--master-addr", "127.0.0.1", "--master-port",
+             str(master), "--device", "cpu", "--summary-json", str(d / "summary.json"),
+             "--results-dir", str(d / "results"), "--script", str(tree / "pretrain_gpt.py"),
+             "--", *FLAGS, *extra])
+
+    def start(self, addr: int) -> None:
+        cmd = [str(FT_LAUNCHER), f"--nnodes={self.n}", "--nproc-per-node=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.rdzv}",
+               "--rdzv-id=deadpool", f"--local-addr=127.0.0.{addr}", "--max-restarts=2",
+               "--ft-rank-heartbeat-timeout=30", "--ft-initial-rank-heartbeat-timeout=120",
+               "--no-python", "bash", "-c", "exec " + self.launch]
+        log = open(self.d / f"ft{len(self.procs)}.log", "w")
+        self.procs.append(subprocess.Popen(cmd, env=self.env, stdout=log,
+                                           stderr=subprocess.STDOUT, cwd=self.d,
+                                           start_new_session=True))
+        log.close()
+
+    def text(self) -> str:
+        return "".join(f.read_text(errors="replace") for f in sorted(self.d.glob("ft*.log")))
+
+    def run(self, kill_at: int, replace: bool, whole: bool = True, timeout: float = 900):
+        """Start every launcher, kill one node (not the rendezvous host's, not a spare) at
+        iteration ``kill_at`` (``whole``: its launchers with it; else only its training
+        processes, as a GPU fault that kills them does), start a replacement node's
+        launcher if ``replace``; returns (exit codes, the killed node's DeadPool node id)."""
+        import signal
+
+        from megatron_deadpool.apps.peer_inject import descendants, environ
+
+        self.start(1)
+        deadline = time.monotonic() + timeout
+        while "hosts the TCP store" not in (self.d / "ft0.log").read_text(errors="replace"):
+            assert time.monotonic() < deadline and self.procs[0].poll() is None, self.text()
+            time.sleep(0.1)
+        for i in range(1, self.n):
+            self.start(i + 1)
+        killed = None
+        try:
+            while any(p.poll() is None for p in self.procs):
+                assert time.monotonic() < deadline, self.text()[-8000:]
+                its = [int(x) for x in re.findall(r" iteration\s+(\d+)/", self.text())]
+                if killed is None and its and max(its) >= kill_at:
+                    for p in self.procs[1:]:
+                        nodes = {environ(q).get("DEADPOOL_NODE")
+                                 for q in descendants([p.pid])} - {None}
+                        if len(nodes) == 1 and int(min(nodes)) in (1, 2, 3):
+                            killed = int(min(nodes))
+                            if whole:
+                                os.killpg(p.pid, signal.SIGKILL)
+                            for q in descendants([p.pid]):
+                                if environ(q).get("DEADPOOL_NODE") == str(killed):
+                                    os.kill(q, signal.SIGKILL)
+                            break
+                    if replace and killed is not None:
+                        self.start(9)  # the repaired node, back under its own launcher
+                time.sleep(0.2)
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+        return [p.returncode for p in self.procs], killed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["spare", "no_spare", "processes"])
+def test_one_ft_launcher_per_node(tmp_path_factory, case):
+    """Issue 59: one ft_launcher per node, in one rendezvous. A node lost (its launcher
+    with it) with a spare node: DeadPool swaps, and no launcher restarts anything. With
+    none: DeadPool stops with its fallback save, ft_launcher restarts the job on the nodes
+    that are left and the repaired one, and the restart resumes from the fallback. A node
+    whose training processes all die while it lives (``processes``): DeadPool swaps, and
+    its ``deadpool launch`` stays up until the job ends (it left early with a failure
+    before, and its ft_launcher would have restarted every node). All end with the
+    uninterrupted run's fingerprint and losses."""
+    if not FT_LAUNCHER.is_file():
+        pytest.skip("NVRx is not installed: bash scripts/install_peers.sh (.venv-peers)")
+    tree = patched_tree(tmp_path_factory, TAG)
+    ref_dir, d = tmp_path_factory.mktemp("ref"), tmp_path_factory.mktemp(case)
+    rc, out, _ = _run(_launch_cmd(ref_dir, tree, spares=0), ref_dir)
+    ref = json.loads((ref_dir / "summary.json").read_text())
+    assert rc == 0 and ref["ok"], out[-4000:]
+    fb, ck = d / "fb", d / "ck"
+    extra = [] if case == "spare" else [
+        "--enable-ft-package", "--save", str(ck), "--load", str(ck), "--save-interval", "4",
+        "--deadpool-fallback-save", str(fb), "--deadpool-resume", str(fb)]
+    job = _PerNode(d, tree, nodes=4, spares=0 if case == "no_spare" else 1, extra=extra)
+    codes, killed = job.run(kill_at=KILL_AT if case == "no_spare" else 5,
+                            replace=case == "no_spare", whole=case != "processes")
+    out = job.text()
+    assert killed is not None, out[-6000:]
+    survivors = [c for c in codes if c != -9]
+    assert all(c == 0 for c in survivors), (codes, out[-6000:])
+    assert len(survivors) == len(codes) - (case != "processes"), codes
+    s = json.loads((d / "summary.json").read_text())
+    assert s["ok"] and s["final_state_sha256"] == ref["final_state_sha256"], out[-6000:]
+    assert s["losses"] == ref["losses"], (s["losses"], ref["losses"])
+    restarts = set(re.findall(r"Cycle: (\d+) Event: rendezvous_completed", out)) - {"0"}
+    if case != "no_spare":
+        (rec,) = s["recoveries"]
+        assert rec["failed_ranks"] == [2 * killed, 2 * killed + 1], rec
+        assert not restarts, restarts  # no launcher restarted anything
+    else:
+        assert "no spare left" in out and restarts == {"1"}, (restarts, out[-6000:])
+        resumed = re.search(r"--deadpool-resume: iteration (\d+) of the fallback save", out)
+        assert resumed and int(resumed.group(1)) >= KILL_AT - 1, out[-6000:]

@@ -199,6 +199,10 @@ def _run_launch(args, rest: List[str]) -> int:
         print(f"[launch] spare node {summary['node']} left the job: "
               f"{summary['reason']}", flush=True)
         return 0
+    if summary["ok"] and summary.get("replaced_here"):
+        print(f"[launch] this node's processes were replaced on other nodes; the job "
+              f"ended: {summary['reason']}", flush=True)
+        return 0
     if summary["ok"]:
         print(f"[launch] completed {summary['completed_iters']} iterations; "
               f"final_state_sha256 {summary['final_state_sha256']}", flush=True)

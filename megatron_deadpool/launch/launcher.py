@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from ..membership import store as st
+from ..base.errors import StopReason
 from ..base.state import Role
 from ..membership.decider import Decider, Proc
 from ..mirror import placement
@@ -107,6 +108,13 @@ def run(opts: LaunchOptions, out=sys.stdout) -> dict:
     summary = build_summary(opts, cfg, job.env.results_dir, job.decider, codes,
                             job.failed, time.time() - t0,
                             fault_records=job.driver.records if job.driver else ())
+    if (cfg.enabled and not job.hosts_store and not summary["ok"] and _killed_here(job)
+            and not any(a.alive() for a in job.agents)
+            and job.stop_reason and StopReason.of(job.stop_reason) is StopReason.COMPLETE):
+        # every process of this node was replaced elsewhere, and the job completed: the
+        # node's outcome is the job's (its results may still be on their way, or on
+        # another node's disk), not a failure its restarter would answer
+        summary.update(ok=True, replaced_here=True, reason=job.stop_reason)
     saved = summary.get("fallback_save")
     if job.failed and saved:
         say(f"fallback save: iteration {saved['iteration']} of every rank in {saved['dir']} "
@@ -285,10 +293,23 @@ def _supervise(job: Job) -> None:
             job.stop_reason = job.stop_reason or job.coord.shutdown_reason()
             if job.stop_reason is not None and not any(a.alive() for a in job.agents):
                 return
+            if not any(a.alive() for a in job.agents) and _killed_here(job):
+                # its processes crashed or were killed, and DeadPool moved their ranks: the
+                # node is alive and stays up until the job ends. Leaving now would end the
+                # node's launcher early with a failure, which a restarter above it (one
+                # NVRx ft_launcher per node) answers by restarting every node.
+                job.beat()
+                time.sleep(0.02)
+                continue
         if not any(a.alive() for a in job.agents):
             return
         job.beat()
         time.sleep(0.02)
+
+
+def _killed_here(job: Job) -> bool:
+    """A process of this machine's nodes ended with a failure (not drained, not done)."""
+    return any(code != 0 for a in job.agents for code in a.exit_codes.values())
 
 
 def _wait_for_exit(job: Job, grace_s: float) -> None:
