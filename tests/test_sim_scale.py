@@ -159,3 +159,15 @@ def test_the_store_rate_counts_every_clients_operations():
     assert got["ops"] == 800 and got["clients"] == 2 and got["ops_per_s"] > 0
     with pytest.raises(ValueError):
         store_rate.rate(clients=0)
+
+
+def test_nccl_unique_ids_are_counted_as_torch_reads_them():
+    """torch's initNCCLComm: a group of n > 128 ranks is made from ceil(n / 128) roots'
+    128-byte unique ids, every member reading all of them from the store; at or below 128,
+    one id. At 100,000 GPUs the world-sized group alone is 100,000 x 782 x 128 bytes."""
+    from megatron_deadpool.apps import sim_scale
+
+    u = {"nccl_ranks_per_root": 128.0, "nccl_unique_id_bytes": 128.0}
+    assert sim_scale.unique_id_bytes([100], u) == 100 * 128
+    assert sim_scale.unique_id_bytes([129], u) == 129 * 2 * 128
+    assert sim_scale.unique_id_bytes([100000, 4], u) == (100000 * 782 + 4) * 128

@@ -106,9 +106,19 @@ def units(store_rate: Optional[Mapping] = None, split: Optional[Mapping] = None
              "ncclCommAbort of every communicator a survivor holds, from a thread pool "
              "(NVRx inprocess' design): no public figure found; the H200 check (issue 56) "
              "aborted communicators but did not time the abort"),
-        Unit("store_ops_per_group_member", 2.0, "operations", "assumed",
-             "torch's NCCL group creation: the group's first rank sets the unique id, every "
-             "member reads it and takes part in the creation's store barrier"),
+        Unit("store_ops_per_group_member", 1.0, "operations", "assumed",
+             "torch's NCCL communicator creation (ProcessGroupNCCL.cpp initNCCLComm, recent "
+             "upstream read 2026-11-29): each root sets its unique id and every member reads "
+             "it (one get, or one multiGet of every root's); no store barrier "
+             "(TORCH_DIST_INIT_BARRIER defaults to 0, distributed_c10d.py, torch 2.14.1). "
+             "Before 2026-11-29 this was assumed to be 2, with a barrier"),
+        Unit("nccl_ranks_per_root", float(NCCL_RANKS_PER_ROOT), "ranks", "assumed",
+             "TORCH_NCCL_RANKS_PER_ROOT's default (ProcessGroupNCCL.hpp): a group of more "
+             "ranks is made with ncclCommInitRankScalable from ceil(n / 128) roots' unique "
+             "ids, and every member reads all of them from the store in one multiGet "
+             "(initNCCLComm, allgatherUniqueNCCLIDs): n ceil(n / 128) ids in all"),
+        Unit("nccl_unique_id_bytes", float(NCCL_UNIQUE_ID_BYTES), "bytes", "assumed",
+             "sizeof(ncclUniqueId) (nccl.h, NCCL_UNIQUE_ID_BYTES)"),
         Unit("store_ops_per_keep_round", float(MAX_OPS_PER_ROUND), "operations",
              "counted in the code", "recovery/repair.py's keep votes: one signed round of "
              "the mirror's tree (mirror/rounds.py) for every group at once, at most "
@@ -288,6 +298,18 @@ def _write_cache(cache: Path, k: str, plan: Dict) -> None:
 
 
 # ---------------------------------------------------------------------- the law
+NCCL_RANKS_PER_ROOT = 128  # torch's TORCH_NCCL_RANKS_PER_ROOT default
+NCCL_UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
+
+
+def unique_id_bytes(sizes: Sequence[int], u: Mapping[str, float]) -> float:
+    """The bytes the store serves when groups of ``sizes`` make their NCCL communicators
+    (torch's initNCCLComm): every member of a group of n reads ceil(n / ranks per root)
+    unique ids (one, at or below ranks per root)."""
+    r, b = u["nccl_ranks_per_root"], u["nccl_unique_id_bytes"]
+    return sum(n * (math.ceil(n / r) if n > r else 1) * b for n in sizes)
+
+
 def nccl_init_s(n: int, u: Mapping[str, float]) -> float:
     return u["nccl_comm_init_a_s"] + u["nccl_comm_init_b_s"] * math.log2(max(n, 2))
 
@@ -325,6 +347,9 @@ class ScaleLaw:
                        for g in groups},
                     "store_server (members of the rebuilt groups)": u["store_server_op_s"]
                     * plan["rebuilt_members_total"] * u["store_ops_per_group_member"],
+                    "store_server (NCCL unique ids: every member of the busiest survivor's "
+                    "rebuilt groups reads every root's)": unique_id_bytes(
+                        [g["size"] for g in groups], u) / u["store_server_bytes_s"],
                     "record stores (keep votes: the busiest node's)": per_node
                     * u["store_ops_per_keep_round"] * u["store_server_op_s"],
                     "record stores (keep votes: the round's bytes at the root's node)": 2
