@@ -84,14 +84,8 @@ def _log_law(points=NCCL_INIT_POINTS):
     return t0 - b * math.log2(n0), b
 
 
-def units(store_rate: Optional[Mapping] = None, split: Optional[Mapping] = None
-          ) -> List[Unit]:
-    """The unit costs at scale, each with its status and source: the one list."""
-    a, b = _log_law()
-    rate = store_rate or load_store_rate()
-    split = split or load_split()
-    where = (f"the most one survivor did at W = {split['world_sizes']} with the round "
-             f"records on the node record stores ({split['commit']}, {split['date']})")
+def _nccl_units(a: float, b: float) -> List[Unit]:
+    """The NCCL unit costs at scale (assumed, each with its source)."""
     return [
         Unit("nccl_comm_init_a_s", a, "s", "assumed",
              f"one NCCL communicator of n ranks takes a + b log2(n) s, through "
@@ -119,6 +113,19 @@ def units(store_rate: Optional[Mapping] = None, split: Optional[Mapping] = None
              "(initNCCLComm, allgatherUniqueNCCLIDs): n ceil(n / 128) ids in all"),
         Unit("nccl_unique_id_bytes", float(NCCL_UNIQUE_ID_BYTES), "bytes", "assumed",
              "sizeof(ncclUniqueId) (nccl.h, NCCL_UNIQUE_ID_BYTES)"),
+    ]
+
+
+def units(store_rate: Optional[Mapping] = None, split: Optional[Mapping] = None
+          ) -> List[Unit]:
+    """The unit costs at scale, each with its status and source: the one list."""
+    a, b = _log_law()
+    rate = store_rate or load_store_rate()
+    split = split or load_split()
+    where = (f"the most one survivor did at W = {split['world_sizes']} with the round "
+             f"records on the node record stores ({split['commit']}, {split['date']})")
+    return [
+        *_nccl_units(a, b),
         Unit("store_ops_per_keep_round", float(MAX_OPS_PER_ROUND), "operations",
              "counted in the code", "recovery/repair.py's keep votes: one signed round of "
              "the mirror's tree (mirror/rounds.py) for every group at once, at most "
