@@ -63,7 +63,6 @@ def promoted_gpu(visible: List[str], used: List[str], newcomers: List[int], me: 
     return free[k]
 
 
-
 @dataclass(frozen=True)
 class WorkerEnv:
     lid: int = -1                 # launcher process id (stable for the process's life)

@@ -25,8 +25,7 @@ from ..base.errors import DeadpoolError, ForgedRecordError, JobStopped, NoCommit
 from ..base.plan import Plan
 from ..base.state import RankState, Role, WorkerState
 from ..base.vocabulary import SECTION_PHASES, Event, Phase
-from ..base.worker_env import WorkerEnv
-from ..base import worker_env as gpus
+from ..base.worker_env import WorkerEnv, physical_id, promoted_gpu
 from ..membership.member import Member
 from ..membership.store import EventKind
 from ..recovery.boundary import Action, Boundary, PlannedSwap
@@ -54,7 +53,7 @@ class Runtime:
         self.config, self.env, self.with_cuda = config, env, with_cuda
         # the GPU this process uses, as its machine names it (heartbeats report it); None on
         # CPU and for a node's standby until it takes a rank (its GPU is bound then)
-        self.gpu: Optional[str] = gpus.physical_id(env.local_rank) \
+        self.gpu: Optional[str] = physical_id(env.local_rank) \
             if with_cuda and env.local_rank >= 0 else None
         self.local_rank = env.local_rank  # a standby's: UNBOUND until it takes a rank
         self.member, self.world, self.att, self.sink = member, world, attachment, sink
@@ -118,13 +117,13 @@ class Runtime:
     def _bind_gpu(self, plan: Plan) -> None:
         """A node's standby took a rank: it binds the GPU its node's other members do not
         use (their heartbeats name theirs), shared out by rank among the processes promoted
-        on the node in the same plan (launch/gpus.py ``promoted_gpu``)."""
+        on the node in the same plan (base/worker_env.py ``promoted_gpu``)."""
         import torch
 
         mine, fresh = plan.lids_beside(self.state.rank), plan.newcomers()
         beats = self.member.heartbeats([lid for lid in mine if lid not in fresh])
-        visible = [gpus.physical_id(i) for i in range(torch.cuda.device_count())]
-        idx = gpus.promoted_gpu(visible, [b.get("gpu") for b in beats.values()],
+        visible = [physical_id(i) for i in range(torch.cuda.device_count())]
+        idx = promoted_gpu(visible, [b.get("gpu") for b in beats.values()],
                                 [plan.rank(lid) for lid in mine if lid in fresh],
                                 self.state.rank)
         torch.cuda.set_device(idx)

@@ -24,7 +24,7 @@ import os
 from typing import Dict, List, Optional
 
 from ..base.errors import ConfigError
-from ..base.worker_env import UNBOUND, physical_id, promoted_gpu  # noqa: F401 (here too)
+from ..base.worker_env import UNBOUND, physical_id, promoted_gpu  # noqa: F401 (placement's API)
 
 # What every process of a shared-GPU job gets (besides its own NCCL_HOSTID). The transport
 # settings make distinct "hosts" on one machine talk through sockets on loopback; ALGO and
@@ -89,15 +89,6 @@ def process_env(gpus: List[str], slot: int, node: int, lid: int, share: bool,
         out.update(SHARED_GPU_NCCL)
         out[HOSTID_VAR] = host_id(node, lid)
     return out
-
-
-# What a standby has done before it takes a rank, and what it does after (the summary,
-# docs/fault-tolerance.md): which GPU it gets is known only then.
-STANDBY_WARM = ("imports, its place in the job (joined, waiting like a spare), and the CUDA "
-                "driver and runtime initialized (torch.cuda.init: no context, so no GPU "
-                "memory held on any GPU)")
-STANDBY_AFTER = ("the CUDA context on the GPU it takes, the communicators, the model, the "
-                 "optimizer and the data: they depend on the rank")
 
 
 def standby_env(gpus: List[str], node: int, procs_per_node: int, pin: bool

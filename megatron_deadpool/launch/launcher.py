@@ -289,19 +289,17 @@ def _supervise(job: Job) -> None:
             if d.failed_reason and job.failed is None:
                 job.failed = d.failed_reason
                 return
+        idle = not any(a.alive() for a in job.agents)
         if job.cfg.enabled and not job.hosts_store:
             job.stop_reason = job.stop_reason or job.coord.shutdown_reason()
-            if job.stop_reason is not None and not any(a.alive() for a in job.agents):
+            if job.stop_reason is not None and idle:
                 return
-            if not any(a.alive() for a in job.agents) and _killed_here(job):
-                # its processes crashed or were killed, and DeadPool moved their ranks: the
-                # node is alive and stays up until the job ends. Leaving now would end the
-                # node's launcher early with a failure, which a restarter above it (one
-                # NVRx ft_launcher per node) answers by restarting every node.
-                job.beat()
-                time.sleep(0.02)
-                continue
-        if not any(a.alive() for a in job.agents):
+            # its processes crashed or were killed, and DeadPool moved their ranks: the node
+            # is alive and stays up until the job ends. Leaving now would end the node's
+            # launcher early with a failure, which a restarter above it (one NVRx
+            # ft_launcher per node) answers by restarting every node.
+            idle = idle and not _killed_here(job)
+        if idle:
             return
         job.beat()
         time.sleep(0.02)
