@@ -62,6 +62,7 @@ class Deadpool:
         self.results_dir = os.environ.get("DEADPOOL_RESULTS_DIR")
         self._loss_log = None
         self._t_step: Optional[float] = None  # when the current step began (progress)
+        self._trace = None  # DEADPOOL_TRACE_DIGESTS=1: adapters/digest_trace.py
 
     # ------------------------------------------------------------------ setup
     @classmethod
@@ -182,6 +183,12 @@ class Deadpool:
         shard.distributed_optimizers(optimizer)  # refuses a non-distributed optimizer early
         if self._runtime is not None:
             self._runtime.attach(model, optimizer, scheduler, train_state)
+        from .adapters.digest_trace import DigestTrace
+
+        self._trace = DigestTrace.from_env(self.results_dir, model, optimizer, scheduler,
+                                           train_state, self.device.type == "cuda")
+        if self._trace is not None and self.promoted:
+            self._trace.record("restored", self.rank, train_state.iteration)
 
     def protect_groups_of(self, holders) -> None:
         """Objects besides the attached ones that hold process groups (e.g. arguments a
@@ -217,6 +224,8 @@ class Deadpool:
             self._loss_log.flush()
         if rec is not None:
             print(PROGRESS_PREFIX + json.dumps(rec), flush=True)
+        if self._trace is not None:
+            self._trace.record("step", self.rank, iteration)
         self._t_step = now
 
     @contextlib.contextmanager
@@ -271,6 +280,8 @@ class Deadpool:
         if self._runtime is None:
             raise exc
         self._runtime.recover(exc)
+        if self._trace is not None:
+            self._trace.record("restored", self.rank, self._trace.iteration())
 
     # ------------------------------------------------------------------ end
     def shutdown(self, exc: Optional[BaseException] = None) -> None:

@@ -93,6 +93,35 @@ def test_views_that_are_not_adjacent_in_the_slot_stay_separate():
     assert [r.nbytes for r in runs] == [40]
 
 
+def test_a_new_plan_copies_its_own_sources_even_at_a_freed_plans_address():
+    """The copier caches each slot's views per plan. A plan is replaced at every relayout
+    (the optimizer state created after the placeholders, a restore), and CPython reuses a
+    freed list's address: a cache keyed by ``id(runs)`` served a new plan the views of an
+    old one, here the placeholders (zeros) of the first layout. Snapshots then carried the
+    live params with the placeholders' moments and step, and a restore from them gave a
+    trajectory that was not bitwise (the short soak in CI, 2026-11-29)."""
+    def sources(value):  # separate allocations: one run each, as torch Adam's state
+        return [torch.full((4,), value), torch.full((4,), value + 1)]
+
+    first = sources(0.0)  # the placeholders
+    layout = snapshot.Layout([("m", first[0]), ("v", first[1])], 1 << 12)
+    slots = [snapshot.alloc_slot(layout.total_bytes, False) for _ in range(2)]
+    c = d2h.Copier()
+    old = d2h.plan(layout, first)
+    c.copy(slots[0], old)
+    live = sources(5.0)
+    later = d2h.plan(layout, live)
+    for slot in slots:
+        c.copy(slot, later)
+    freed = id(old)
+    del old
+    new = d2h.plan(layout, live)  # CPython's list free list hands the freed address out
+    assert id(new) == freed  # the case this test is about
+    c.copy(slots[0], new)
+    got = [slots[0][e.offset:e.offset + e.nbytes].view(torch.float32) for e in layout.entries]
+    assert [x.tolist() for x in got] == [[5.0] * 4, [6.0] * 4]
+
+
 def test_snapshot_copies_run_on_the_mirror_thread(monkeypatch):
     threads = []
     real = d2h.Copier.copy

@@ -2,7 +2,9 @@
 
 Every process that dies is replaced by a fresh standby spare on its node (the node
 returns), so the pool stays topped up. The job then runs again without faults and the two
-state fingerprints are compared bit for bit.
+state fingerprints are compared bit for bit. Both runs trace every rank's state after each
+step and restore (adapters/digest_trace.py): a soak that ends not bitwise names the first
+iteration, rank and part that differ (``first_divergence``).
 
     deadpool soak --failures 25 --seed 7 [--gap 10] [--summary-json F]
 """
@@ -16,6 +18,7 @@ import tempfile
 from typing import List
 
 from .demo import DEMO_FLAGS
+from ..adapters import digest_trace
 from ..launch.launcher import LaunchOptions, run
 from ..launch.progress import Console
 
@@ -79,6 +82,20 @@ def run_soak(failures: int, seed: int, gap: int, summary_json=None, quiet=True) 
     log = os.path.join(work, "workers.log")
     print(f"[soak] {failures} failures, seed {seed}, {iters} iterations; full worker output: "
           f"{log}", flush=True)
+    traced = os.environ.get(digest_trace.ENV)
+    os.environ[digest_trace.ENV] = "1"  # the workers inherit it
+    try:
+        faulted, reference = _runs(specs, flags, iters, work, log, quiet)
+    finally:
+        if traced is None:
+            os.environ.pop(digest_trace.ENV, None)
+        else:
+            os.environ[digest_trace.ENV] = traced
+    return _summary(failures, seed, specs, faulted, reference, work, summary_json, log)
+
+
+def _runs(specs, flags, iters: int, work: str, log: str, quiet: bool):
+    """The faulted run, then the same job without faults: (summary of each)."""
     with Console(log, total=iters, verbose=not quiet) as con:
         faulted = run(LaunchOptions(nodes=NODES, procs_per_node=PROCS_PER_NODE,
                                     spare_nodes=SPARE_NODES, inject=specs,
@@ -90,6 +107,10 @@ def run_soak(failures: int, seed: int, gap: int, summary_json=None, quiet=True) 
         reference = run(LaunchOptions(nodes=NODES, procs_per_node=PROCS_PER_NODE,
                                       spare_nodes=0, results_dir=os.path.join(work, "reference"),
                                       trainer_argv=flags), out=con)
+    return faulted, reference
+
+
+def _summary(failures, seed, specs, faulted, reference, work, summary_json, log) -> dict:
     recs = [r for r in faulted.get("recoveries", []) if not r.get("superseded")]
     table = []
     local_gens = {x["generation"]: "warm" if x.get("warm") else "cold"
@@ -99,6 +120,8 @@ def run_soak(failures: int, seed: int, gap: int, summary_json=None, quiet=True) 
                       "iteration": f["at_iter"], "recovery_s": r["total_s"],
                       "restored_iter": r["restored_iter"],
                       "local": local_gens.get(r["generation"])})
+    bitwise = bool(faulted["ok"] and reference["ok"] and
+                   faulted["final_state_sha256"] == reference["final_state_sha256"])
     out = {
         "seed": seed, "failures_requested": failures, "schedule": specs,
         "failures_injected": len(faulted.get("faults", [])),
@@ -108,8 +131,8 @@ def run_soak(failures: int, seed: int, gap: int, summary_json=None, quiet=True) 
         "waited_for_spare_s": faulted.get("waited_for_spare_s", 0.0),
         "final_state_sha256": faulted["final_state_sha256"],
         "reference_state_sha256": reference["final_state_sha256"],
-        "bitwise_equal": bool(faulted["ok"] and reference["ok"] and
-                              faulted["final_state_sha256"] == reference["final_state_sha256"]),
+        "bitwise_equal": bitwise,
+        "first_divergence": None if bitwise else _divergence(work),
         "error": faulted["error"], "work_dir": work,
     }
     print(f"{'#':>3} {'kind':<5} {'rank':>4} {'phase':<17} {'iter':>5} {'recovery s':>10} "
@@ -119,9 +142,23 @@ def run_soak(failures: int, seed: int, gap: int, summary_json=None, quiet=True) 
               f"{row['iteration']:>5} {row['recovery_s']:>10.3f} "
               f"{'local restart, ' + row['local'] if row['local'] else 'spare'}")
     print(json.dumps({k: out[k] for k in ("failures_injected", "bitwise_equal", "recovery_s")}))
+    if out["first_divergence"] is not None:
+        print(f"[soak] first divergence from the failure-free run: "
+              f"{json.dumps(out['first_divergence'])}", flush=True)
     print(f"[soak] recoveries {len(recs)}; bitwise_equal {out['bitwise_equal']}; full worker "
           f"output: {log}", flush=True)
     if summary_json:
         with open(summary_json, "w") as f:
             json.dump(out, f, indent=2)
     return out
+
+
+def _divergence(work: str):
+    """The traces' first difference (digest_trace.first_divergence), or why there is none."""
+    try:
+        found = digest_trace.first_divergence(os.path.join(work, "soak"),
+                                              os.path.join(work, "reference"))
+    except (OSError, ValueError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return found if found is not None else {"iteration": None, "ranks": [],
+                                            "note": "every traced event matches"}

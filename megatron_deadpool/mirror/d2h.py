@@ -16,7 +16,7 @@ one tensor; ``Copier.runs`` says how many copies a snapshot takes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -93,7 +93,10 @@ class Copier:
         self.runs: Optional[int] = None  # runs of the last plan copied
         self.copy_times: List[float] = []
         self._total: tuple = (None, 0)  # (runs, their bytes): summed once per plan
-        self._views: Dict[Tuple[int, int], tuple] = {}  # (dst views, sources, flatten)
+        # per slot: (the plan, dst views, sources, flatten). The plan itself is held and
+        # compared, never its id(): a freed plan's address comes back for a new list, and an
+        # id key served a new plan the views of an old one (a test plants it).
+        self._views: Dict[int, tuple] = {}
         if stream is not None:
             self._start = torch.cuda.Event(enable_timing=True)
             self._done = torch.cuda.Event(enable_timing=True)
@@ -103,16 +106,17 @@ class Copier:
         lie back to back in the slot (the packed layout), one destination view for a single
         ``torch.cat``; otherwise one view per run. Runs of non-contiguous tensors are
         flattened at each copy (none in the reference)."""
-        key = (slot.data_ptr(), id(runs))
-        if key not in self._views:
-            if len(self._views) > 8:  # plans change on a relayout: drop stale views
+        key = slot.data_ptr()
+        cached = self._views.get(key)
+        if cached is None or cached[0] is not runs:  # a new plan: the old views go
+            if len(self._views) > 8:  # slots reallocated: drop the others' views
                 self._views.clear()
             packed = all(a.offset + a.nbytes == b.offset for a, b in zip(runs, runs[1:]))
             dst = ([slot[runs[0].offset:runs[-1].offset + runs[-1].nbytes]] if packed and runs
                    else [slot[r.offset:r.offset + r.nbytes] for r in runs])
             src = [r.src for r in runs]
-            self._views[key] = (dst, src, any(x is None for x in src))
-        dst, src, flatten = self._views[key]
+            cached = self._views[key] = (runs, dst, src, any(x is None for x in src))
+        _, dst, src, flatten = cached
         return dst, ([r.source() for r in runs] if flatten else src)
 
     def copy(self, slot: torch.Tensor, runs: Sequence[Run], step_done=None) -> None:
