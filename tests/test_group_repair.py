@@ -34,8 +34,7 @@ def _roles():
     out = {}
     for gid, role in groups.roles(dist.ProcessGroup).items():
         g = groups.group_of(role)
-        ranks = range(g.size()) if groups.is_staged(g) else dist.get_process_group_ranks(g)
-        out[role] = (g, tuple(ranks))  # a staged group (adapters/groups.py) has every rank
+        out[role] = (g, tuple(dist.get_process_group_ranks(g)))
     return out
 
 
@@ -123,7 +122,7 @@ def test_kept_groups_hold_no_dead_rank_and_rebuilt_ones_equal_a_fresh_build(
         old = before[role][0]
         if set(ranks) & set(dead):
             assert g is not old, f"{role} holds a dead rank and was kept"
-            rebuilt += not groups.is_staged(g)  # a staged group is made of others
+            rebuilt += 1
         else:
             assert g is old, f"{role}: no member died, its group was not kept"
             kept += 1
@@ -132,7 +131,7 @@ def test_kept_groups_hold_no_dead_rank_and_rebuilt_ones_equal_a_fresh_build(
         assert g not in dist.distributed_c10d._world.pg_map
         assert all(g is not h for h, _ in after.values())
     assert did.get("groups_kept", 0) >= (1 if kept else 0)
-    assert did.get("groups_rebuilt", 0) >= (1 if rebuilt else 0)
+    assert did.get("groups_rebuilt", 0) >= 1  # the default group at least
 
 
 def test_a_group_with_an_operation_in_flight_is_rebuilt(fake_world):

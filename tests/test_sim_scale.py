@@ -29,11 +29,9 @@ def test_the_default_sim_projects_from_the_plan_with_every_assumption_listed(tmp
         assert u["status"] in ("measured here", "assumed", "counted in the code") \
             and len(u["source"]) > 10, u
     top = result["scaling_law"]["rebuild_groups"]["terms_at"]["100000"]
-    # no group of every rank: the grad stats are staged (adapters/groups.py)
-    assert top["nccl_init TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP (12500)"] > 0
-    assert not any("(100000)" in k for k in top)
+    assert top["nccl_init INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP (100000)"] > 0
     groups = result["plans"]["100000"]["busiest_survivor_groups"]
-    assert [g["size"] for g in groups] == [3125, 12500]
+    assert [g["size"] for g in groups] == [3125, 12500, 100000]
     lost = result["lost_per_failure_s"]["hotswap"]["100000"]
     assert lost == pytest.approx(sum(result["per_scale"]["100000"]["hotswap_breakdown_s"]
                                      .values()), abs=1e-3)
@@ -44,7 +42,7 @@ def test_the_default_sim_projects_from_the_plan_with_every_assumption_listed(tmp
     assert "cannot serve the control plane while training" in printed.err
     printed = printed.out
     assert "[assumed]" in printed and "[measured here]" in printed
-    assert "TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP (12500 ranks)" in printed
+    assert "INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP (100000 ranks)" in printed
 
 
 def _laws(op_s=None):
@@ -142,8 +140,7 @@ def test_a_missing_plan_is_computed_once_and_cached(tmp_path, capsys):
     cached = json.loads((tmp_path / "megatron-deadpool" / "group_plans.json").read_text())
     assert set(cached["plans"]) == {"W64.TP2.PP2.G4", "W128.TP2.PP2.G4"}
     got = json.loads((tmp_path / "a.json").read_text())
-    # the largest a survivor rebuilds at TP2 x PP2 x DP16: TP x DP (no group of every rank)
-    assert got["plans"]["64"]["busiest_survivor_groups"][-1]["size"] == 32
+    assert got["plans"]["64"]["busiest_survivor_groups"][-1]["size"] == 64
 
 
 def test_a_layout_the_world_does_not_divide_is_refused():

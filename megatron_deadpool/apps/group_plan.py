@@ -34,10 +34,8 @@ def check_layout(world: int, tp: int, pp: int, gpus_per_node: int) -> None:
                           f"the GPUs per node ({gpus_per_node})")
 
 
-def _record(world: int, tp: int, pp: int) -> Tuple[List[Tuple[Tuple[int, ...], str]], str]:
-    """Every ``new_group`` megatron-core's initialize_model_parallel calls, through the
-    package's own build (adapters/groups.py): (members, desc); and how the grad stats of
-    every rank are reduced ("staged": no group of the world is made)."""
+def _record(world: int, tp: int, pp: int) -> List[Tuple[Tuple[int, ...], str]]:
+    """Every ``new_group`` megatron-core's initialize_model_parallel calls: (members, desc)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -59,7 +57,7 @@ def _record(world: int, tp: int, pp: int) -> Tuple[List[Tuple[Tuple[int, ...], s
                           create_gloo_process_groups=False)
     finally:
         dist.new_group = torch_new_group
-    return calls, "staged" if groups.grad_stats_staged() else "a group of every rank"
+    return calls
 
 
 def plan(world: int, tp: int, pp: int, gpus_per_node: int = 4, lost_node: int = 0) -> Dict:
@@ -67,7 +65,7 @@ def plan(world: int, tp: int, pp: int, gpus_per_node: int = 4, lost_node: int = 
     on the fake backend)."""
     check_layout(world, tp, pp, gpus_per_node)
     t0 = time.monotonic()
-    calls, grad_stats = _record(world, tp, pp)
+    calls = _record(world, tp, pp)
     names: Dict[Tuple[int, ...], str] = {}
     for members, desc in calls:
         names.setdefault(tuple(sorted(members)), desc)
@@ -85,7 +83,7 @@ def plan(world: int, tp: int, pp: int, gpus_per_node: int = 4, lost_node: int = 
     megatron_core = groups.version()
     return {"world": world, "tp": tp, "pp": pp, "dp": world // (tp * pp),
             "gpus_per_node": gpus_per_node, "lost_node_ranks": sorted(dead),
-            "megatron_core": megatron_core, "grad_stats": grad_stats,
+            "megatron_core": megatron_core,
             "new_group_calls_per_rank": len(calls), "distinct_groups": len(names),
             "members_total": sum(len(g) for g in names),
             "groups_with_a_dead_rank": len(rebuilt),

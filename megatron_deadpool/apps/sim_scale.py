@@ -256,14 +256,10 @@ def _cache_file() -> Path:
 
 
 def _read_plans(path: Path) -> Dict[str, Dict]:
-    """The plans in ``path``; one computed before the grad stats were staged (no
-    ``grad_stats`` field: it counts a group of every rank that is no longer made) is left
-    out, to be computed again."""
     try:
-        plans = json.loads(path.read_text()).get("plans", {})
+        return json.loads(path.read_text()).get("plans", {})
     except (OSError, ValueError):
         return {}
-    return {k: v for k, v in plans.items() if "grad_stats" in v}
 
 
 def plans_for(gpus: Sequence[int], tp: int, pp: int, gpus_per_node: int,
