@@ -188,7 +188,7 @@ class Deadpool:
         self._trace = DigestTrace.from_env(self.results_dir, model, optimizer, scheduler,
                                            train_state, self.device.type == "cuda")
         if self._trace is not None and self.promoted:
-            self._trace.record("restored", self.rank, train_state.iteration)
+            self._trace.record("restored", self.rank, self._trace.iteration())
 
     def protect_groups_of(self, holders) -> None:
         """Objects besides the attached ones that hold process groups (e.g. arguments a

@@ -29,8 +29,8 @@ class DigestTrace:
     def __init__(self, results_dir: str, model, optimizer, scheduler, train_state,
                  with_cuda: bool):
         self.results_dir = results_dir
-        self._objects = (model, optimizer, scheduler, train_state)
-        self._with_cuda = with_cuda
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.train_state, self._with_cuda = train_state, with_cuda
 
     @classmethod
     def from_env(cls, results_dir: Optional[str], model, optimizer, scheduler, train_state,
@@ -43,17 +43,16 @@ class DigestTrace:
 
     def iteration(self) -> int:
         """The train state's iteration (after a restore: the restored one)."""
-        return int(self._objects[3].iteration)
+        return int(self.train_state.iteration)
 
     def record(self, what: str, rank: int, iteration: int) -> None:
         from . import shard
         from . import train_state as state_io
 
-        model, optimizer, scheduler, train_state = self._objects
-        resume = state_io.capture(iteration, train_state, scheduler, optimizer,
+        resume = state_io.capture(iteration, self.train_state, self.scheduler, self.optimizer,
                                   with_cuda=self._with_cuda)
         line = {"what": what, "iteration": iteration, "pid": os.getpid(),
-                "parts": shard.digest_parts(model, optimizer, resume)}
+                "parts": shard.digest_parts(self.model, self.optimizer, resume)}
         path = os.path.join(self.results_dir, f"digests_rank{rank}.jsonl")
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
