@@ -32,7 +32,7 @@ from datetime import timedelta
 from typing import Iterator, Optional
 
 from .adapters import shard
-from .base.config import DeadpoolConfig
+from .base.config import DeadpoolConfig, GradStats
 from .base.sections import checked_name
 from .base.worker_env import PROGRESS_PREFIX, WorkerEnv
 
@@ -132,6 +132,7 @@ class Deadpool:
                       gloo_op_timeout_s=cfg.gloo_op_timeout_s,
                       regroup_timeout_s=cfg.regroup_timeout_s,
                       keep_groups=not cfg.rebuild_all_groups, secret=secret,
+                      staged_grad_stats=cfg.grad_stats is GradStats.STAGED,
                       node_store=member.node_store)
         settings = MirrorSettings(
             replicas=cfg.replicas, create_timeout_s=cfg.rendezvous_timeout_s,

@@ -160,3 +160,17 @@ def test_keeping_unbroken_groups_is_the_default():
     assert DeadpoolConfig.from_args(
         p.parse_args(["--deadpool-rebuild-all-groups"])).rebuild_all_groups
     assert "--deadpool-rebuild-all-groups" in p.format_help()
+
+
+def test_grad_stats_default_to_megatrons_group_of_every_rank_and_staged_is_a_choice():
+    """``--deadpool-grad-stats``: 'world' by default (bitwise to the unpatched script),
+    'staged' a choice in --help; anything else is refused naming the flag."""
+    from megatron_deadpool.base.config import GradStats
+
+    p = add_deadpool_args(argparse.ArgumentParser())
+    assert DeadpoolConfig.from_args(p.parse_args([])).grad_stats is GradStats.WORLD
+    got = DeadpoolConfig.from_args(p.parse_args(["--deadpool-grad-stats", "staged"]))
+    assert got.grad_stats is GradStats.STAGED
+    assert "--deadpool-grad-stats" in p.format_help()
+    with pytest.raises(ConfigError, match="--deadpool-grad-stats"):
+        DeadpoolConfig(grad_stats="all")

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -29,10 +30,16 @@ def test_the_default_sim_projects_from_the_plan_with_every_assumption_listed(tmp
         assert u["status"] in ("measured here", "assumed", "counted in the code") \
             and len(u["source"]) > 10, u
     top = result["scaling_law"]["rebuild_groups"]["terms_at"]["100000"]
-    assert top["nccl_init INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP (100000)"] > 0
+    # no group of every rank: the grad stats are staged (adapters/groups.py)
+    assert top["nccl_init TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP (12500)"] > 0
+    assert not any("(100000)" in k for k in top)
     groups = result["plans"]["100000"]["busiest_survivor_groups"]
-    assert [g["size"] for g in groups] == [3125, 12500, 100000]
+    assert [g["size"] for g in groups] == [3125, 12500]
     lost = result["lost_per_failure_s"]["hotswap"]["100000"]
+    # megatron's group of every rank, made again at each recovery with --deadpool-grad-stats
+    # world (the training default), costs more: projected beside it
+    assert result["assumptions"]["grad_stats"] == "staged"
+    assert result["grad_stats_other"]["lost_per_failure_s"]["100000"] > lost + 20
     assert lost == pytest.approx(sum(result["per_scale"]["100000"]["hotswap_breakdown_s"]
                                      .values()), abs=1e-3)
     util = result["steady_store_utilization"]
@@ -42,7 +49,7 @@ def test_the_default_sim_projects_from_the_plan_with_every_assumption_listed(tmp
     assert "cannot serve the control plane while training" in printed.err
     printed = printed.out
     assert "[assumed]" in printed and "[measured here]" in printed
-    assert "INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP (100000 ranks)" in printed
+    assert "TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP (12500 ranks)" in printed
 
 
 def _laws(op_s=None):
@@ -136,11 +143,22 @@ def test_a_missing_plan_is_computed_once_and_cached(tmp_path, capsys):
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    assert first.count("computing it") == 2 and "computing it" not in second
+    # each GPU count's plan with the grad stats staged (the model's default) and not
+    assert first.count("computing it") == 4 and "computing it" not in second
     cached = json.loads((tmp_path / "megatron-deadpool" / "group_plans.json").read_text())
-    assert set(cached["plans"]) == {"W64.TP2.PP2.G4", "W128.TP2.PP2.G4"}
+    assert set(cached["plans"]) == {"W64.TP2.PP2.G4", "W128.TP2.PP2.G4",
+                                    "W64.TP2.PP2.G4.staged", "W128.TP2.PP2.G4.staged"}
+    assert got_other(tmp_path / "a.json") > 0
     got = json.loads((tmp_path / "a.json").read_text())
-    assert got["plans"]["64"]["busiest_survivor_groups"][-1]["size"] == 64
+    # the largest a survivor rebuilds at TP2 x PP2 x DP16: TP x DP (no group of every rank)
+    assert got["plans"]["64"]["busiest_survivor_groups"][-1]["size"] == 32
+
+
+def got_other(path) -> float:
+    """The other grad stats' projection (world, beside the default staged) at 64 GPUs."""
+    got = json.loads(Path(path).read_text())["grad_stats_other"]
+    assert got["grad_stats"] == "world", got
+    return got["lost_per_failure_s"]["64"]
 
 
 def test_a_layout_the_world_does_not_divide_is_refused():

@@ -6,7 +6,7 @@ every other group of a survivor). ``deadpool sim`` reads these plans (apps/sim_s
 ``scripts/megatron_group_plan.py`` prints one.
 
     python -m megatron_deadpool.apps.group_plan --world 99968 --tp 8 --pp 16
-                                                [--gpus-per-node 4] [--lost-node 0]
+                        [--gpus-per-node 4] [--lost-node 0] [--grad-stats world|staged]
 
 One JSON line: distinct_groups, members_total, groups_with_a_dead_rank (with the sum of
 their sizes, what the store serves to rebuild them), and the busiest survivor (most
@@ -23,6 +23,8 @@ import time
 from collections import Counter
 from typing import Dict, List, Tuple
 
+from ..base.config import GradStats, values
+
 
 def check_layout(world: int, tp: int, pp: int, gpus_per_node: int) -> None:
     from ..base.errors import ConfigError
@@ -34,8 +36,15 @@ def check_layout(world: int, tp: int, pp: int, gpus_per_node: int) -> None:
                           f"the GPUs per node ({gpus_per_node})")
 
 
-def _record(world: int, tp: int, pp: int) -> List[Tuple[Tuple[int, ...], str]]:
-    """Every ``new_group`` megatron-core's initialize_model_parallel calls: (members, desc)."""
+GRAD_STATS = values(GradStats)  # --deadpool-grad-stats' values
+
+
+def _record(world: int, tp: int, pp: int, grad_stats: str
+            ) -> Tuple[List[Tuple[Tuple[int, ...], str]], str]:
+    """Every ``new_group`` megatron-core's initialize_model_parallel calls, through the
+    package's own build (adapters/groups.py) with ``--deadpool-grad-stats grad_stats``:
+    (members, desc); and how the grad stats of every rank were reduced ("staged": no group
+    of the world is made)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -53,19 +62,22 @@ def _record(world: int, tp: int, pp: int) -> List[Tuple[Tuple[int, ...], str]]:
 
     dist.new_group = new_group
     try:
-        groups.initialize(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        groups.initialize(grad_stats == "staged", tensor_model_parallel_size=tp,
+                          pipeline_model_parallel_size=pp,
                           create_gloo_process_groups=False)
     finally:
         dist.new_group = torch_new_group
-    return calls
+    staged = groups.grad_stats_staged()
+    return calls, (GradStats.STAGED if staged else GradStats.WORLD).value
 
 
-def plan(world: int, tp: int, pp: int, gpus_per_node: int = 4, lost_node: int = 0) -> Dict:
+def plan(world: int, tp: int, pp: int, gpus_per_node: int = 4, lost_node: int = 0,
+         grad_stats: str = "world") -> Dict:
     """The plan of one layout (run in a process of its own: it initializes torch.distributed
-    on the fake backend)."""
+    on the fake backend). ``grad_stats``: --deadpool-grad-stats' value."""
     check_layout(world, tp, pp, gpus_per_node)
     t0 = time.monotonic()
-    calls = _record(world, tp, pp)
+    calls, grad_stats = _record(world, tp, pp, grad_stats)
     names: Dict[Tuple[int, ...], str] = {}
     for members, desc in calls:
         names.setdefault(tuple(sorted(members)), desc)
@@ -83,7 +95,7 @@ def plan(world: int, tp: int, pp: int, gpus_per_node: int = 4, lost_node: int = 
     megatron_core = groups.version()
     return {"world": world, "tp": tp, "pp": pp, "dp": world // (tp * pp),
             "gpus_per_node": gpus_per_node, "lost_node_ranks": sorted(dead),
-            "megatron_core": megatron_core,
+            "megatron_core": megatron_core, "grad_stats": grad_stats,
             "new_group_calls_per_rank": len(calls), "distinct_groups": len(names),
             "members_total": sum(len(g) for g in names),
             "groups_with_a_dead_rank": len(rebuilt),
@@ -96,8 +108,9 @@ def plan(world: int, tp: int, pp: int, gpus_per_node: int = 4, lost_node: int = 
             "enumerate_s": round(time.monotonic() - t0, 1)}
 
 
-def key(world: int, tp: int, pp: int, gpus_per_node: int) -> str:
-    return f"W{world}.TP{tp}.PP{pp}.G{gpus_per_node}"
+def key(world: int, tp: int, pp: int, gpus_per_node: int, grad_stats: str = "world") -> str:
+    staged = "" if grad_stats == GradStats.WORLD.value else f".{grad_stats}"
+    return f"W{world}.TP{tp}.PP{pp}.G{gpus_per_node}{staged}"
 
 
 def main(argv=None) -> int:
@@ -107,6 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pp", type=int, required=True)
     ap.add_argument("--gpus-per-node", type=int, default=4)
     ap.add_argument("--lost-node", type=int, default=0)
+    ap.add_argument("--grad-stats", choices=GRAD_STATS, default=GRAD_STATS[0],
+                    help="--deadpool-grad-stats of the job (default %(default)s)")
     a = ap.parse_args(argv)
     from ..base.errors import ConfigError
 
@@ -114,7 +129,7 @@ def main(argv=None) -> int:
         check_layout(a.world, a.tp, a.pp, a.gpus_per_node)
     except ConfigError as exc:
         ap.error(str(exc))
-    print(json.dumps(plan(a.world, a.tp, a.pp, a.gpus_per_node, a.lost_node)))
+    print(json.dumps(plan(a.world, a.tp, a.pp, a.gpus_per_node, a.lost_node, a.grad_stats)))
     return 0
 
 

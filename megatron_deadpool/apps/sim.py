@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ..base import scaling
+from ..base.config import GradStats, values
 from ..base.errors import ConfigError
 from ..base.vocabulary import PHASE_ORDER
 from .sim_measured import load_measured
@@ -74,6 +75,10 @@ class SimConfig:
     domain_nodes: int = 18
     domain_share: float = 0.0
     link_gbps: float = 200.0                   # inter-node, per GPU
+    # the job's --deadpool-grad-stats (base/config.GradStats): "staged", the setting for a
+    # job at scale (no group of every rank is made at a recovery), is the model's default;
+    # the training default "world" is projected beside it (GRAD_STATS_NOTE)
+    grad_stats: str = "staged"
     checkpoint_interval_min: Optional[float] = None   # None: Young's optimum per scale
     checkpoint_write_s: float = 60.0
     checkpoint_load_s: float = 60.0
@@ -113,6 +118,9 @@ class SimConfig:
             raise SimError("--mirror-overhead must be in [0, 1)")
         if self.spare_nodes is not None and self.spare_nodes < 0:
             raise SimError("--spare-nodes must be >= 0")
+        if self.grad_stats not in values(GradStats):
+            raise SimError(f"--grad-stats must be one of {values(GradStats)}, got "
+                           f"{self.grad_stats!r}")
         if self.domain_nodes < 1:
             raise SimError(f"--domain-nodes must be >= 1, got {self.domain_nodes}")
         if not 0 <= self.domain_share <= 1:
@@ -389,9 +397,14 @@ def _simulate_at_scale(cfg: SimConfig, measured: Dict, measured_path, log) -> Di
         raise SimError(f"{measured_path}: the law at scale needs runs measured with `deadpool "
                        "bench recovery --counts` (or pass --law fit)")
     unit_list = sim_scale.units()
-    plans = sim_scale.plans_for(cfg.gpus, cfg.tp, cfg.pp, cfg.gpus_per_node, log=log)
+    plans = sim_scale.plans_for(cfg.gpus, cfg.tp, cfg.pp, cfg.gpus_per_node, log=log,
+                                grad_stats=cfg.grad_stats)
     laws = sim_scale.phase_laws(runs, plans, unit_list)
     at = {str(g): strategies_at(cfg, laws, g) for g in cfg.gpus}
+    other = next(v for v in values(GradStats) if v != cfg.grad_stats)
+    other_plans = sim_scale.plans_for(cfg.gpus, cfg.tp, cfg.pp, cfg.gpus_per_node, log=log,
+                                      grad_stats=other)
+    other_laws = sim_scale.phase_laws(runs, other_plans, unit_list)
     law_json = {ph: law.to_json() for ph, law in laws.items()}
     _bytes_term(law_json, measured)
     return {
@@ -407,6 +420,9 @@ def _simulate_at_scale(cfg: SimConfig, measured: Dict, measured_path, log) -> Di
                   for g, p in plans.items()},
         "steady_store_utilization": {str(g): round(sim_scale.steady_utilization(
             g, {u.name: u.value for u in unit_list}), 4) for g in cfg.gpus},
+        "grad_stats_other": {"grad_stats": other, "lost_per_failure_s": {
+            str(g): round(strategies_at(cfg, other_laws, g)["lost"]["hotswap"], 6)
+            for g in cfg.gpus}},
         "validation": sim_counts.validate(sim_scale.fit_runs(runs), TOLERANCE),
         "validation_outside_fit": sim_scale.outside_fit(runs, within=TOLERANCE),
     }

@@ -8,6 +8,7 @@ import math
 from typing import Dict, List
 
 from . import sim, sim_measured
+from ..base.config import GradStats, values
 from ..base.errors import DeadpoolError
 
 LABELS = {"hotswap": "DeadPool hot swap", "checkpoint_restart": "checkpoint/restart",
@@ -77,6 +78,12 @@ def _scale_lines(result: Dict) -> List[str]:
                                               for g in plan["busiest_survivor_groups"])
              + f"; {plan['rebuilt_members_total']} members in the "
              f"{plan['groups_with_a_dead_rank']} groups that held a lost rank"]
+    o = result["grad_stats_other"]
+    lines.append(f"  grad stats: {result['assumptions']['grad_stats']} (--grad-stats; the "
+                 "job's --deadpool-grad-stats, whose training default is 'world': bitwise to "
+                 f"the unpatched script); with '{o['grad_stats']}' hot swap loses "
+                 + ", ".join(f"{g} GPUs {v:.1f} s" for g, v in o["lost_per_failure_s"].items())
+                 + " per failure")
     for ph, law in result["scaling_law"].items():
         terms = law["terms_at"][top]
         lines.append(f"  {ph}: " + " + ".join(f"{k} {v:.3g} s" for k, v in terms.items()))
@@ -160,6 +167,14 @@ def plot(cfg: sim.SimConfig, measured_path, path: str) -> str:
     return path
 
 
+def _add_job_arguments(sp, d) -> None:
+    """How the simulated job runs DeadPool."""
+    sp.add_argument("--grad-stats", choices=values(GradStats), default=d.grad_stats,
+                    help="the job's --deadpool-grad-stats (default %(default)s: no group of "
+                    "every rank is made at a recovery, the setting for a job at scale; the "
+                    "other is projected beside it)")
+
+
 def add_arguments(sp) -> None:
     """``deadpool sim``'s options (defaults from ``SimConfig``)."""
     from .sim import SimConfig as C
@@ -187,6 +202,7 @@ def add_arguments(sp) -> None:
     sp.add_argument("--preset", default=None, help="take the model size from a preset")
     sp.add_argument("--tp", type=int, default=d.tp)
     sp.add_argument("--pp", type=int, default=d.pp)
+    _add_job_arguments(sp, d)
     sp.add_argument("--spare-nodes", type=int, default=None,
                     help="report P(never running out) with this many spare nodes")
     sp.add_argument("--domain-nodes", type=int, default=d.domain_nodes,

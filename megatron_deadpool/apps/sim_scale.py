@@ -256,30 +256,37 @@ def _cache_file() -> Path:
 
 
 def _read_plans(path: Path) -> Dict[str, Dict]:
+    """The plans in ``path``; one computed before --deadpool-grad-stats existed (no
+    ``grad_stats`` field, under a key that did not name it) is left out, to be computed
+    again."""
     try:
-        return json.loads(path.read_text()).get("plans", {})
+        plans = json.loads(path.read_text()).get("plans", {})
     except (OSError, ValueError):
         return {}
+    return {k: v for k, v in plans.items() if "grad_stats" in v}
 
 
 def plans_for(gpus: Sequence[int], tp: int, pp: int, gpus_per_node: int,
-              files: Sequence[Path] = (PLANS_FILE,), log=print) -> Dict[int, Dict]:
-    """The plan of each GPU count: from the committed plans or this user's cache, else
-    computed (a process of its own, about 12 s at 100,000 GPUs) and cached."""
+              files: Sequence[Path] = (PLANS_FILE,), log=print, grad_stats: str = "world"
+              ) -> Dict[int, Dict]:
+    """The plan of each GPU count, for a job with ``--deadpool-grad-stats grad_stats``: from
+    the committed plans or this user's cache, else computed (a process of its own, about
+    12 s at 100,000 GPUs) and cached."""
     known: Dict[str, Dict] = {}
     cache = _cache_file()
     for f in list(files) + [cache]:
         known.update(_read_plans(Path(f)))
     out = {}
     for g in gpus:
-        k = group_plan.key(g, tp, pp, gpus_per_node)
+        k = group_plan.key(g, tp, pp, gpus_per_node, grad_stats)
         if k not in known:
             log(f"[deadpool sim] megatron-core's group plan for {k}: computing it "
                 f"(initialize_model_parallel on the fake backend) ...")
             t0 = time.monotonic()
             proc = subprocess.run(
                 [sys.executable, "-m", "megatron_deadpool.apps.group_plan", "--world", str(g),
-                 "--tp", str(tp), "--pp", str(pp), "--gpus-per-node", str(gpus_per_node)],
+                 "--tp", str(tp), "--pp", str(pp), "--gpus-per-node", str(gpus_per_node),
+                 "--grad-stats", grad_stats],
                 capture_output=True, text=True)
             if proc.returncode != 0:
                 raise DeadpoolError(f"the group plan for {k} failed (is megatron-core "

@@ -41,6 +41,14 @@ class DrainSource(ValueEnum):
     BUDDY = "buddy"    # the buddy's copy
 
 
+class GradStats(ValueEnum):
+    """``--deadpool-grad-stats``: how megatron-core's grad stats of every rank (the grad
+    norm, the zeros count, found-inf; one distributed-optimizer instance) are reduced."""
+
+    WORLD = "world"    # megatron's group of every rank: bitwise to the unpatched script
+    STAGED = "staged"  # the model-parallel then the data-parallel group (adapters/groups.py)
+
+
 _Choice = TypeVar("_Choice", bound=ValueEnum)
 
 
@@ -120,6 +128,9 @@ class DeadpoolConfig:
     # --deadpool-rebuild-all-groups: a recovery on a gloo world makes every group again
     # instead of keeping those the failure did not break (recovery/repair.py)
     rebuild_all_groups: bool = False
+    # --deadpool-grad-stats staged: no group of every rank is made, at the build or at any
+    # recovery (issue 57); the grad norm's sum is rounded in the two stages' order
+    grad_stats: GradStats = GradStats.WORLD
     # --deadpool-failure-domains blocks:N | file:PATH: each rank's buddies in other failure
     # domains than its own (mirror/placement.py); "": every node its own domain (the ring)
     failure_domains: str = ""
@@ -164,6 +175,7 @@ class DeadpoolConfig:
         if self.fallback_every and not self.fallback_save_dir:
             raise ConfigError("--deadpool-fallback-every needs --deadpool-fallback-save DIR")
         self._parse("drain_source", DrainSource)
+        self._parse("grad_stats", GradStats)
         if self.straggler_swap is not None and not (
                 self.straggler_swap[0] > 1 and self.straggler_swap[1] >= 1):
             raise ConfigError("--deadpool-straggler-swap FACTOR:WINDOW needs FACTOR > 1 and "
@@ -202,6 +214,7 @@ class DeadpoolConfig:
             straggler_swap=parse_straggler_swap(getattr(args, "deadpool_straggler_swap", None)),
             count_work=bool(getattr(args, "deadpool_count_work", False)),
             rebuild_all_groups=bool(getattr(args, "deadpool_rebuild_all_groups", False)),
+            grad_stats=getattr(args, "deadpool_grad_stats", GradStats.WORLD),
             failure_domains=getattr(args, "deadpool_failure_domains", None) or "",
             section_timeouts_s=parse_section_timeouts(
                 getattr(args, "deadpool_section_timeouts", None) or ""),
@@ -349,13 +362,27 @@ def add_config_args(parser: argparse.ArgumentParser,
                    "phase's store operations too (its groups, connections and mirror traffic "
                    "are always counted): the recovery reports carry them (bench recovery)")
     _add_placement_args(g, d)
+    _add_group_args(g, d)
+    _add_drain_args(g, d)
+    return parser
+
+
+def _add_group_args(g, d: DeadpoolConfig) -> None:
+    """What a recovery makes again among the process groups."""
     g.add_argument("--deadpool-rebuild-all-groups", action="store_true",
                    default=d.rebuild_all_groups, help="on a gloo (CPU) world, a recovery "
                    "makes every process group again; by default it keeps the groups the "
                    "failure did not break (no dead member, no operation in flight) and "
                    "rebuilds only the others. NCCL worlds always rebuild every group")
-    _add_drain_args(g, d)
-    return parser
+    g.add_argument("--deadpool-grad-stats", choices=values(GradStats),
+                   default=d.grad_stats.value, help="how megatron-core's grad norm, zeros "
+                   "count and found-inf are reduced over every rank: 'world', on its group "
+                   "of every rank, which every recovery makes again (bitwise to the "
+                   "unpatched script); 'staged', over the model-parallel then the "
+                   "data-parallel group, so that no group of every rank is ever made (a "
+                   "recovery at scale does not grow with the job; the grad norm's sum is "
+                   "rounded in another order, bitwise to its own failure-free run) "
+                   "(default %(default)s)")
 
 
 def _add_placement_args(g, d: DeadpoolConfig) -> None:

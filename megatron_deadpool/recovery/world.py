@@ -74,7 +74,8 @@ class World:
                  collective_timeout_s: float, emit: Callable[..., None],
                  gloo_op_timeout_s: Optional[float] = None,
                  regroup_timeout_s: Optional[float] = None, keep_groups: bool = True,
-                 secret: str = "", node_store: Optional[Callable[[int], Optional[tuple]]] = None):
+                 secret: str = "", node_store: Optional[Callable[[int], Optional[tuple]]] = None,
+                 staged_grad_stats: bool = False):
         self.backend, self.store_port = backend, store_port
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.collective_timeout_s = collective_timeout_s
@@ -97,6 +98,9 @@ class World:
         # a gloo world keeps the groups a failure did not break (repair.py); with
         # keep_groups False (--deadpool-rebuild-all-groups) every group is made again
         self.keep = backend == "gloo" and keep_groups
+        # --deadpool-grad-stats staged: megatron's grad-stats group of every rank is never
+        # made (adapters/groups.py), at the first build or at any rebuild
+        self.staged_grad_stats = staged_grad_stats
         self.book = repair.Book()         # the last complete build's groups
         self.plan = None                  # the plan of the generation formed last
         self.dropped: list = []           # groups no longer used, for the reaper
@@ -190,7 +194,7 @@ class World:
         if not self.keep:
             with shared_gloo_groups(self.backend, timeout) as shared, \
                     ab.communicator_sockets():
-                groups.initialize(**kwargs)
+                groups.initialize(self.staged_grad_stats, **kwargs)
             log.debug("model-parallel groups built; %d gloo group(s) shared", shared[0])
             return
         replay = self._replay()
@@ -198,7 +202,7 @@ class World:
             replay.settle()
             with repair.repairing(replay), shared_gloo_groups(self.backend, timeout), \
                     ab.communicator_sockets():
-                groups.initialize(**kwargs)
+                groups.initialize(self.staged_grad_stats, **kwargs)
         except BaseException:
             self.book = repair.Book()  # half built: the next recovery destroys everything
             raise
