@@ -13,7 +13,6 @@ from megatron_deadpool.base.config import DeadpoolConfig
 from megatron_deadpool.base.errors import JobStopped, NoCommittedStateError, stopped
 from megatron_deadpool.base.plan import Plan
 from megatron_deadpool.base.state import Role, WorkerState
-from megatron_deadpool.membership.store import GenerationMoved
 from megatron_deadpool.control.runtime import Runtime
 from megatron_deadpool.recovery.phases import EventSink
 from megatron_deadpool.base.worker_env import WorkerEnv
@@ -70,12 +69,6 @@ class FakeMember:
             self.publish(plan(gen + 1))  # the decider replaced the dead peer meanwhile
             raise ConnectionError(f"peer died while generation {gen} formed")
 
-    def wait_until_ready(self, gen, world_size, timeout_s):
-        self.readies.append(gen)
-        if gen in self.fail_ready_at:
-            self.failing.add(gen)  # its heartbeats stopped: the decider declared it dead
-            self.publish(plan(gen + 1))
-            raise GenerationMoved(f"a member of generation {gen} failed")
 
     def push_event(self, kind, **fields):
         self.events.append((kind, fields))
@@ -194,9 +187,21 @@ class FakeAttachment:
 
 
 class FakeLinks:
-    def __init__(self):
+    def __init__(self, member):
         self.current = None
         self.released = 0
+        self.member = member
+
+    def barrier(self, plan_, name, timeout_s):
+        """The ready barrier: a spare of ``fail_ready_at`` dies while it builds its model;
+        the decider publishes the next plan, whose abort ends the wait."""
+        m = self.member
+        m.readies.append(plan_.gen)
+        if plan_.gen in m.fail_ready_at:
+            m.failing.add(plan_.gen)  # its heartbeats stopped: the decider declared it dead
+            m.publish(plan(plan_.gen + 1))
+            raise ConnectionError(f"generation {plan_.gen + 1} published: the barrier's "
+                                  "store connections were shut")
 
     def connect(self, plan):
         self.current = object()
@@ -218,7 +223,7 @@ def runtime(attachment=None):
                          audit="none")
     member, world = FakeMember(), FakeWorld()
     rt = Runtime(cfg, WorkerEnv(lid=0, node=0, store_port=1, rank=0, world_size=2), member,
-                 world, attachment or FakeAttachment(), FakeLinks(), EventSink(None))
+                 world, attachment or FakeAttachment(), FakeLinks(member), EventSink(None))
     rt.join()
     rt.state = rt.state.enter(WorkerState.ACTIVE).at(6)  # attached, 6 iterations done
     return rt, member, world
@@ -299,8 +304,8 @@ def test_cascade_in_restore_starts_a_new_attempt():
 
 def test_restore_waits_for_every_member_and_a_spare_dying_meanwhile_moves_on():
     """The restore exchange starts only once every member of the generation is ready (a
-    promoted spare builds its model first); a spare that dies while building ends the wait
-    at once, and the recovery goes on with the next generation."""
+    promoted spare builds its model first); a spare that dies while building: the next
+    plan's abort ends the wait, and the recovery goes on with the next generation."""
     rt, member, world = runtime()
     member.publish(plan(1))
     member.fail_ready_at = {1}
@@ -349,7 +354,7 @@ def test_a_failed_join_closes_the_runtime(monkeypatch):
     cfg = DeadpoolConfig(enabled=True, heartbeat_interval_s=0.1, heartbeat_timeout_s=HB_TIMEOUT)
     env = WorkerEnv(lid=8, node=4, role="spare", store_port=1)
     monkeypatch.setattr(api.Deadpool, "_make_runtime", lambda self, env: Runtime(
-        cfg, env, member, FakeWorld(), FakeAttachment(), FakeLinks(), EventSink(None)))
+        cfg, env, member, FakeWorld(), FakeAttachment(), FakeLinks(member), EventSink(None)))
     with pytest.raises(TimeoutError):
         api.Deadpool.start(cfg, env=env)
     assert getattr(member, "closed", False)
@@ -395,7 +400,7 @@ def _spare_walk(events, build_s, clock):
                          audit="none", events_path=str(events))
     att = SpareAttachment()
     rt = Runtime(cfg, WorkerEnv(lid=8, node=4, role="spare", store_port=1), member,
-                 FakeWorld(), att, SpareLinks(), EventSink(str(events)))
+                 FakeWorld(), att, SpareLinks(member), EventSink(str(events)))
     rt.quiet.start = lambda: calls.append("quiet")  # its solitary model build
     rt.join()
     assert rt.state.role is Role.PROMOTED and rt.state.rank == 0

@@ -1,17 +1,21 @@
 """A promoted spare builds its model and optimizer before it can receive its state (tens of
 seconds on a GPU node): the survivors wait for it at a barrier before the restore exchange
-(``Member.wait_until_ready``), bounded by --deadpool-spare-ready-timeout, not by the
-mirror's operation deadline; a member declared dead meanwhile ends the wait at once."""
+(``Agree.ready``: a round of the store tree on the node record stores, mirror/rounds.py
+``barrier``), bounded by --deadpool-spare-ready-timeout, not by the mirror's operation
+deadline; a member that dies meanwhile leaves the others waiting until the next plan's
+abort, and a timeout with the membership moved is a generation moved, not a stop."""
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 
 from conftest import assert_ok_and_bitwise, launch, layout_flags
 from megatron_deadpool.base.config import DeadpoolConfig
-from megatron_deadpool.base.errors import DeadpoolError, JobStopped
+from megatron_deadpool.base.errors import DeadpoolError, TransportTimeout
+from megatron_deadpool.control.steps import Agree
 from megatron_deadpool.membership import store as st
-from megatron_deadpool.membership.member import Member
+from megatron_deadpool.mirror import rounds
 
 SECRET = "s" * 32
 FLAGS = layout_flags(2, 2, 12)
@@ -24,20 +28,15 @@ BUILD_DELAY_S = 12.0
 @pytest.fixture
 def store():
     server = st.connect("127.0.0.1", 0, 30.0, is_master=True)
-    yield server, st.Coordinator(server, SECRET)
+    yield server
 
 
-def _member(server, lid):
-    return Member(lid, node=lid, host="127.0.0.1", port=server.port, secret=SECRET,
-                  heartbeat_interval_s=0.1, rendezvous_timeout_s=10.0)
-
-
-def _wait_in_thread(member, gen, world, timeout_s):
+def _barrier_in_thread(server, rank, world=2, timeout_s=30.0, gen=1):
     out = {}
 
     def run():
         try:
-            member.wait_until_ready(gen, world, timeout_s)
+            rounds.barrier(server, rank, world, timeout_s, SECRET, gen, rounds.READY_KEY)
             out["ok"] = True
         except BaseException as exc:  # noqa: BLE001 - the test inspects it
             out["exc"] = exc
@@ -48,42 +47,45 @@ def _wait_in_thread(member, gen, world, timeout_s):
 
 
 def test_the_restore_waits_until_every_member_is_ready(store):
-    server, _ = store
-    survivor, spare = _member(server, 0), _member(server, 1)
-    t, out = _wait_in_thread(survivor, 1, 2, timeout_s=30.0)
+    t, out = _barrier_in_thread(store, 0)
     t.join(0.5)
-    assert t.is_alive()  # the spare is still building its model
-    spare.wait_until_ready(1, 2, timeout_s=30.0)  # built: the last one in
-    t.join(10)
-    assert out == {"ok": True}
+    assert t.is_alive()  # the spare (rank 1) is still building its model
+    spare, spare_out = _barrier_in_thread(store, 1)  # built: the last one in
+    for th in (t, spare):
+        th.join(10)
+    assert out == {"ok": True} and spare_out == {"ok": True}
 
 
-def test_a_member_declared_dead_ends_the_wait(store):
-    server, coord = store
-    survivor = _member(server, 0)
-    t, out = _wait_in_thread(survivor, 1, 2, timeout_s=60.0)
-    t.join(0.3)
-    coord.declare_failing(1)  # the spare's heartbeats stopped while it built its model
-    t.join(10)
-    assert not t.is_alive() and isinstance(out.get("exc"), st.GenerationMoved), out
+class _Links:
+    def barrier(self, plan, name, timeout_s):
+        raise TransportTimeout(f"mirror {name}: not every member arrived in {timeout_s:g}s")
 
 
-def test_a_stop_ends_the_wait(store):
-    server, coord = store
-    survivor = _member(server, 0)
-    survivor.stop_reason = None
-    t, out = _wait_in_thread(survivor, 1, 2, timeout_s=60.0)
-    t.join(0.3)
-    survivor.stop_reason = "no spare left: 1 rank(s) failed; last committed iteration 4"
-    t.join(10)
-    assert isinstance(out.get("exc"), JobStopped), out
+class _Member:
+    def __init__(self, moved):
+        self.moved = moved
+
+    def membership_moved(self, gen):
+        return self.moved
 
 
-def test_a_spare_that_never_gets_ready_is_named_with_its_flag(store):
-    server, _ = store
-    with pytest.raises(DeadpoolError, match="only 1 of 2 members ready.*"
+def _ready(moved):
+    step = SimpleNamespace(links=_Links(), member=_Member(moved),
+                           config=DeadpoolConfig(spare_ready_timeout_s=0.5))
+    Agree.ready(step, SimpleNamespace(plan=None, generation=1))
+
+
+def test_a_spare_that_never_gets_ready_is_named_with_its_flag():
+    with pytest.raises(DeadpoolError, match="not every member arrived.*"
                                             "--deadpool-spare-ready-timeout"):
-        _member(server, 0).wait_until_ready(1, 2, timeout_s=0.5)
+        _ready(moved=False)
+
+
+def test_a_member_declared_dead_meanwhile_moves_the_generation():
+    """A spare that died while building (declared dead, or a newer generation): the wait's
+    end is no timeout to stop on but a generation to move on from."""
+    with pytest.raises(st.GenerationMoved):
+        _ready(moved=True)
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 from ..base.plan import Plan
 from ..mirror import handoff, meter as meters
 from ..mirror.commit import RejectionBoard
-from ..mirror.rounds import StoreRounds
+from ..mirror.rounds import StoreRounds, barrier
 from ..mirror.threads import lower_thread_priority
 from ..mirror.transport import TransportContext, checked_name, create_transport
 from ..recovery import restore
@@ -148,6 +148,17 @@ class Links:
         return {"mirror_transport": getattr(link.transport, "kind", None) if link else None,
                 # connections that failed the socket transport's handshake (impostors)
                 "mirror_refused_peers": self.refused + (link.refused if link else 0)}
+
+    def barrier(self, plan: Plan, prefix: str, timeout_s: float) -> None:
+        """Every member of ``plan``'s generation reached the barrier of keys ``prefix``
+        (mirror/rounds.py ``barrier``: a round of the store tree on the node record
+        stores); the abort or ``timeout_s`` (TransportTimeout) ends a wait for a member
+        that never comes."""
+        from torch.distributed import distributed_c10d as c10d
+
+        at = self.records(plan) if self.records else None
+        barrier(self.current.store, c10d.get_rank(), c10d.get_world_size(), timeout_s,
+                self.settings.secret, plan.gen, prefix, at=at)
 
     def hand_off(self, attachment, gen: int, rank: int, timeout_s: float,
                  iteration: Optional[int] = None):

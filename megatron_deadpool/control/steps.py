@@ -22,11 +22,14 @@ from typing import Callable, Optional, Sequence as Seq, Type
 
 from ..adapters.quiet import CollectiveSuppressor
 from ..base.config import Audit, DeadpoolConfig, DrainSource
+from ..base.errors import DeadpoolError, TransportTimeout
 from ..base.plan import Plan
 from ..base.state import RankState
 from ..base.vocabulary import Event, Phase
 from ..recovery import restore
 from ..recovery.abort import all_process_groups, drop_traceback
+from ..membership.store import GenerationMoved
+from ..mirror.rounds import READY_KEY
 from ..recovery.classify import is_peer_failure
 from ..recovery.formation import form_world
 from ..recovery.phases import Attempt, EventSink
@@ -167,8 +170,7 @@ class Agree(Step):
         state = self.state()
         plan = state.plan
         self.fault_point(a)
-        self.member.wait_until_ready(state.generation, state.world_size,
-                                     self.config.spare_ready_timeout_s)
+        self.ready(state)
         if a.spare:  # the draining rank sends since the boundary: a short bound
             direct = plan.drain is not None and self.config.drain_source is DrainSource.DIRECT
             got = self.links.hand_off(self.att, state.generation, state.rank,
@@ -177,6 +179,23 @@ class Agree(Step):
         a.restore = self.att.restoring(state.rank, self.links.current)
         restore.agree_on(a.restore)
         return a
+
+
+    def ready(self, state: RankState) -> None:
+        """Before the restore exchange, every member of the generation can take part in it:
+        a promoted spare first builds its model and optimizer and allocates its slots (tens
+        of seconds on a GPU node), longer than the operation deadline the restore runs
+        under. A barrier on the node record stores (``Links.barrier``), bounded by
+        --deadpool-spare-ready-timeout; a member that dies meanwhile leaves the others
+        waiting until the next plan's abort, or the job's stop's."""
+        try:
+            self.links.barrier(state.plan, READY_KEY, self.config.spare_ready_timeout_s)
+        except TransportTimeout as exc:
+            if self.member.membership_moved(state.generation):
+                raise GenerationMoved(f"a member of generation {state.generation} failed "
+                                      "while the others waited for it to be ready") from None
+            raise DeadpoolError(f"{exc}: a promoted spare did not build its model in time "
+                                "(--deadpool-spare-ready-timeout)") from None
 
 
 class Transfer(Step):

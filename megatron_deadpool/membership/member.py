@@ -200,24 +200,6 @@ class Member:
         arrive(self.coord, gen, world_size, self.rendezvous_timeout_s,
                   stop=self.raise_if_stopped)
 
-    def wait_until_ready(self, gen: int, world_size: int, timeout_s: float) -> None:
-        """Before generation ``gen``'s restore exchange: every member can take part in it.
-        A promoted spare first builds its model and optimizer and allocates its slots (tens
-        of seconds on a GPU node), longer than the operation deadline the survivors' restore
-        runs under. Abortable like ``arrive``: a newer generation, a member declared dead (a
-        spare that died while building stops heartbeating) or a stop ends the wait at once
-        (GenerationMoved, JobStopped). DeadpoolError after ``timeout_s``."""
-        def moved() -> None:
-            self.raise_if_stopped()
-            if self.coord.is_failing(gen):
-                raise st.GenerationMoved(f"a member of generation {gen} failed")
-
-        try:
-            arrive(self.coord, gen, world_size, timeout_s, stop=moved, barrier="ready")
-        except TimeoutError as exc:
-            raise DeadpoolError(f"{exc}: a promoted spare did not build its model in time "
-                                "(--deadpool-spare-ready-timeout)") from None
-
     # -------------------------------------------------------------- reports
     def node_store(self, node: int, fresh: bool = False):
         """(host, port) of node ``node``'s record store, or None (store.Coordinator's).
@@ -281,13 +263,13 @@ class Member:
 
 
 def arrive(coord: st.Coordinator, gen: int, world_size: int, timeout_s: float,
-           stop=lambda: None, poll_s: float = 0.2, barrier: str = "arrived") -> None:
+           stop=lambda: None, poll_s: float = 0.2) -> None:
     """Abortable rendezvous before a generation's world is built: returns once all
     ``world_size`` members of generation ``gen`` arrived; raises GenerationMoved as soon as a
     newer generation exists (a member died meanwhile: nobody waits out a timeout for it).
     ``stop()`` may raise to abandon the wait (the job is shutting down). One counter and one
-    "all here" key per generation: O(1) store operations per member and poll. ``barrier``
-    names another barrier of the same generation (``ready``: every member can restore)."""
+    "all here" key per generation: O(1) store operations per member and poll."""
+    barrier = "arrived"
     store = coord.raw
     done = st.k(barrier, gen, "all")
     if store.add(st.k(barrier, gen), 1) >= world_size:  # a forged count: early, never stuck

@@ -299,6 +299,23 @@ class StoreRounds:
         self._mine = ""
 
 
+READY_KEY = "ready/"  # the ready barrier's keys (control/steps.py Agree.ready)
+
+
+def barrier(store, rank: int, world_size: int, timeout_s: float, secret: Optional[str],
+            gen: int, prefix: str, at: Optional[Callable[[int], Any]] = None) -> None:
+    """Every member of generation ``gen`` reached this point: one round of the tree with
+    nothing posted, under keys of its own (``prefix``, e.g. READY_KEY). Each rank does O(FANOUT) store
+    operations on its own node's and its parent's record stores (``at``), plus one wait and
+    one ``compare_set`` per SLICE_S it waits, and none on the job's store, at any W (issue
+    57: the ready barrier was a counter and polls on the job's store, 6 operations per rank
+    per restore). A member that never arrives leaves the others waiting until the abort
+    (a newer generation, the job's stop) or ``timeout_s``: TransportTimeout. A forged record
+    fails the barrier for every member (ForgedRecordError), as any round but a vote."""
+    StoreRounds(store, rank, world_size, timeout_s, secret, gen, at=at,
+                prefix=prefix).round(what=prefix.rstrip("/"), shared=True)
+
+
 def _merge(into: dict, body: Mapping[str, Any]) -> None:
     """A child's subtree record into this rank's: posts appended, adds summed, reads and
     counters united, forged ranks named."""
