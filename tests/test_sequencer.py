@@ -87,11 +87,15 @@ class FakeMember:
 
 
 class FakeWorld:
-    def __init__(self):
+    def __init__(self, member):
+        self.member = member
         self.aborted = False
         self.aborts = []
         self.formed = []
         self.mp_kwargs = None
+
+    def meet(self, plan_, rank, store, moved):
+        self.member.arrive(plan_.gen, plan_.world_size)  # the fake member's rendezvous
 
     def init_process_group(self, store, gen, rank, world_size, plan=None):
         self.formed.append(gen)
@@ -221,7 +225,8 @@ class FakeLinks:
 def runtime(attachment=None):
     cfg = DeadpoolConfig(enabled=True, heartbeat_interval_s=0.1, heartbeat_timeout_s=HB_TIMEOUT,
                          audit="none")
-    member, world = FakeMember(), FakeWorld()
+    member = FakeMember()
+    world = FakeWorld(member)
     rt = Runtime(cfg, WorkerEnv(lid=0, node=0, store_port=1, rank=0, world_size=2), member,
                  world, attachment or FakeAttachment(), FakeLinks(member), EventSink(None))
     rt.join()
@@ -354,7 +359,7 @@ def test_a_failed_join_closes_the_runtime(monkeypatch):
     cfg = DeadpoolConfig(enabled=True, heartbeat_interval_s=0.1, heartbeat_timeout_s=HB_TIMEOUT)
     env = WorkerEnv(lid=8, node=4, role="spare", store_port=1)
     monkeypatch.setattr(api.Deadpool, "_make_runtime", lambda self, env: Runtime(
-        cfg, env, member, FakeWorld(), FakeAttachment(), FakeLinks(member), EventSink(None)))
+        cfg, env, member, FakeWorld(member), FakeAttachment(), FakeLinks(member), EventSink(None)))
     with pytest.raises(TimeoutError):
         api.Deadpool.start(cfg, env=env)
     assert getattr(member, "closed", False)
@@ -400,7 +405,7 @@ def _spare_walk(events, build_s, clock):
                          audit="none", events_path=str(events))
     att = SpareAttachment()
     rt = Runtime(cfg, WorkerEnv(lid=8, node=4, role="spare", store_port=1), member,
-                 FakeWorld(), att, SpareLinks(member), EventSink(str(events)))
+                 FakeWorld(member), att, SpareLinks(member), EventSink(str(events)))
     rt.quiet.start = lambda: calls.append("quiet")  # its solitary model build
     rt.join()
     assert rt.state.role is Role.PROMOTED and rt.state.rank == 0

@@ -56,6 +56,32 @@ def test_the_restore_waits_until_every_member_is_ready(store):
     assert out == {"ok": True} and spare_out == {"ok": True}
 
 
+def test_a_wait_before_the_world_forms_ends_when_its_check_raises(store):
+    """The rendezvous (recovery/world.py ``meet``) has no abort to end it: its check runs
+    every slice a wait lasts, and a newer generation ends the wait within a slice."""
+    moved = threading.Event()
+
+    def check():
+        if moved.is_set():
+            raise st.GenerationMoved("generation 2 replaced 1")
+
+    out = {}
+
+    def run():
+        try:
+            rounds.barrier(store, 0, 2, 30.0, SECRET, 1, "arrived/", check=check, slice_s=0.1)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            out["exc"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(0.5)
+    assert t.is_alive()  # rank 1 never comes
+    moved.set()
+    t.join(2.0)
+    assert not t.is_alive() and isinstance(out.get("exc"), st.GenerationMoved), out
+
+
 class _Links:
     def barrier(self, plan, name, timeout_s):
         raise TransportTimeout(f"mirror {name}: not every member arrived in {timeout_s:g}s")

@@ -36,9 +36,9 @@ def code_keys():
 def test_every_key_the_code_reads_is_in_the_threat_models_tables():
     coordinator, others = code_keys()
     # the code's names are found (a broken pattern would make this test vacuous)
-    assert {"dp/plan", "dp/node_store", "dp/report", "dp/arrived"} <= coordinator
+    assert {"dp/plan", "dp/node_store", "dp/report", "dp/boundary"} <= coordinator
     assert {"deadpool-mirror-socket/", "mirror/rounds/", "deadpool-run-id",
-            "deadpool-mirror-rejected/", "repair/", "ready/"} <= others
+            "deadpool-mirror-rejected/", "repair/", "ready/", "arrived/"} <= others
     missing = sorted(k for k in coordinator if f"`{k}" not in DOC and f"{k}/" not in DOC)
     missing += sorted(k for k in others if k not in DOC)
     assert not missing, f"store keys not in docs/threat-model.md's tables: {missing}"

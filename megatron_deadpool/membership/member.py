@@ -1,5 +1,5 @@
-"""The worker side of membership: admission, heartbeats, the generation watcher, waiting for
-a plan, and the abortable rendezvous before a world forms.
+"""The worker side of membership: admission, heartbeats, the generation watcher, and waiting
+for a plan (the rendezvous before a world forms is recovery/world.py ``meet``).
 
     Member.admit() ──► watcher thread: every 0.1 s
                           current generation > the live one ──► on_generation(g)
@@ -17,7 +17,6 @@ import logging
 import threading
 import time
 import traceback
-from datetime import timedelta
 from typing import Callable, Iterator, Optional
 
 from ..base.errors import DeadpoolError, stopped
@@ -195,10 +194,14 @@ class Member:
                 self._news.wait(STANDBY_NAP_S)  # a standby spare: until the watcher's news
             time.sleep(PLAN_POLL_S)
 
-    def arrive(self, gen: int, world_size: int) -> None:
-        """Abortable rendezvous (``arrive``); raises GenerationMoved or JobStopped."""
-        arrive(self.coord, gen, world_size, self.rendezvous_timeout_s,
-                  stop=self.raise_if_stopped)
+    def moved_past(self, gen: int) -> None:
+        """Raise GenerationMoved if a generation newer than ``gen`` exists, JobStopped if
+        the job stopped (a wait before ``gen``'s world forms, recovery/world.py ``meet``,
+        asks every slice it waits)."""
+        self.raise_if_stopped()
+        now = self.coord.current_gen()
+        if now > gen:
+            raise st.GenerationMoved(f"generation {now} replaced {gen}")
 
     # -------------------------------------------------------------- reports
     def node_store(self, node: int, fresh: bool = False):
@@ -260,30 +263,3 @@ class Member:
     def claim_fault(self, index: int) -> bool:
         """True for the first process of the job to reach scheduled fault ``index``."""
         return self.store.add(st.k("inject", index), 1) == 1
-
-
-def arrive(coord: st.Coordinator, gen: int, world_size: int, timeout_s: float,
-           stop=lambda: None, poll_s: float = 0.2) -> None:
-    """Abortable rendezvous before a generation's world is built: returns once all
-    ``world_size`` members of generation ``gen`` arrived; raises GenerationMoved as soon as a
-    newer generation exists (a member died meanwhile: nobody waits out a timeout for it).
-    ``stop()`` may raise to abandon the wait (the job is shutting down). One counter and one
-    "all here" key per generation: O(1) store operations per member and poll."""
-    barrier = "arrived"
-    store = coord.raw
-    done = st.k(barrier, gen, "all")
-    if store.add(st.k(barrier, gen), 1) >= world_size:  # a forged count: early, never stuck
-        store.set(done, "1")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            store.wait([done], timedelta(seconds=poll_s))
-            return
-        except Exception:  # noqa: BLE001 - a wait timeout: check why we are still waiting
-            pass
-        if coord.current_gen() > gen:
-            raise st.GenerationMoved(f"generation {coord.current_gen()} replaced {gen}")
-        stop()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"generation {gen}: only {store.add(st.k(barrier, gen), 0)} of "
-                               f"{world_size} members {barrier} in {timeout_s:.0f}s")

@@ -14,7 +14,6 @@ below marked (signed) is sealed with the job secret for its slot (``auth.py``). 
     dp/plan/{g}                    JSON plan of generation g (signed, gen)
     dp/failing/{g}                 a member of g was declared dead; its replacement plan
                                    may take a while (signed, gen)
-    dp/arrived/{g}, .../all        abortable rendezvous before generation g's world forms
     dp/hb/{lid}, dp/agent_hb/{n}   worker and node-agent heartbeats (signed)
     dp/node_store/{n}             where node n's agent serves its ranks' round records (signed)
     dp/cmd/{node}/n, .../{i}       commands for a node agent (signed, node and i; CommandOp)

@@ -89,7 +89,8 @@ class StoreRounds:
 
     def __init__(self, store, rank: int, world_size: int, timeout_s: float = 600.0,
                  secret: Optional[str] = None, gen: int = 0,
-                 at: Optional[Callable[[int], Any]] = None, prefix: str = PREFIX):
+                 at: Optional[Callable[[int], Any]] = None, prefix: str = PREFIX,
+                 check: Callable[[], None] = lambda: None, slice_s: float = SLICE_S):
         """``store``: this generation's (a key written in one generation is never read in
         another: world.py prefixes the store per generation); ``secret``, ``gen``: the job's
         and this generation's, bound into every record (None: an empty key, for tests that
@@ -98,10 +99,13 @@ class StoreRounds:
         ``record_stores``); a child's up and down records are kept where its parent reads,
         so a rank uses its own node's store and its parent's, and each server carries the
         records of its node's ranks' children. None: all on ``store``. ``prefix``: the
-        keys' (one per user of the rounds: the mirror's, the keep votes')."""
+        keys' (one per user of the rounds: the mirror's, the keep votes'). ``check()``:
+        called every ``slice_s`` a wait lasts; it may raise to end the round (a barrier
+        before the generation's world exists, which no abort reaches: GenerationMoved)."""
         self.store, self.rank, self.world_size = store, rank, world_size
         self.prefix = prefix
         self.timeout_s = timeout_s
+        self.check, self.slice_s = check, slice_s
         self.secret, self.gen = secret or "", gen
         self.parent, self.children = parent_of(rank), children_of(rank, world_size)
         where, self._on_nodes = at or (lambda x: store), at is not None
@@ -219,7 +223,8 @@ class StoreRounds:
         if not self.children:
             return {}
         keys = [self._key(r, "u", c) for c in self.children]
-        while not waited(self._kids_at, keys, min(SLICE_S, deadline - time.monotonic())):
+        while not waited(self._kids_at, keys, min(self.slice_s, deadline - time.monotonic())):
+            self.check()
             if time.monotonic() >= deadline:
                 raise self._timeout(what, limit, f" (no record of this round from ranks "
                                     f"{self.children} or below them)")
@@ -245,7 +250,8 @@ class StoreRounds:
         verified; when it stays forged (or an older round's) for GRACE_S, a result that
         names it (so that this rank's subtree fails the round too)."""
         key = self._key(r, "d", self.rank)
-        while not waited(self._mine_at, [key], min(SLICE_S, deadline - time.monotonic())):
+        while not waited(self._mine_at, [key], min(self.slice_s, deadline - time.monotonic())):
+            self.check()
             if time.monotonic() >= deadline:
                 raise self._timeout(what, limit)
             self._heal(r)
@@ -303,17 +309,20 @@ READY_KEY = "ready/"  # the ready barrier's keys (control/steps.py Agree.ready)
 
 
 def barrier(store, rank: int, world_size: int, timeout_s: float, secret: Optional[str],
-            gen: int, prefix: str, at: Optional[Callable[[int], Any]] = None) -> None:
+            gen: int, prefix: str, at: Optional[Callable[[int], Any]] = None,
+            check: Callable[[], None] = lambda: None, slice_s: float = SLICE_S) -> None:
     """Every member of generation ``gen`` reached this point: one round of the tree with
-    nothing posted, under keys of its own (``prefix``, e.g. READY_KEY). Each rank does O(FANOUT) store
-    operations on its own node's and its parent's record stores (``at``), plus one wait and
-    one ``compare_set`` per SLICE_S it waits, and none on the job's store, at any W (issue
-    57: the ready barrier was a counter and polls on the job's store, 6 operations per rank
-    per restore). A member that never arrives leaves the others waiting until the abort
-    (a newer generation, the job's stop) or ``timeout_s``: TransportTimeout. A forged record
-    fails the barrier for every member (ForgedRecordError), as any round but a vote."""
-    StoreRounds(store, rank, world_size, timeout_s, secret, gen, at=at,
-                prefix=prefix).round(what=prefix.rstrip("/"), shared=True)
+    nothing posted, under keys of its own (``prefix``: READY_KEY, world.py's ARRIVE_KEY).
+    Each rank does O(FANOUT) store operations on its own node's and its parent's record
+    stores (``at``), plus one wait and one ``compare_set`` per ``slice_s`` it waits, and
+    none on the job's store, at any W (issue 57: the rendezvous and ready barriers were
+    counters and polls on the job's store, 4 and 6 operations per rank per recovery). A
+    member that never arrives leaves the others waiting until the abort (a newer
+    generation, the job's stop), ``check()`` raising (called every ``slice_s`` a wait
+    lasts), or ``timeout_s``: TransportTimeout. A forged record fails the barrier for
+    every member (ForgedRecordError), as any round but a vote."""
+    StoreRounds(store, rank, world_size, timeout_s, secret, gen, at=at, prefix=prefix,
+                check=check, slice_s=slice_s).round(what=prefix.rstrip("/"), shared=True)
 
 
 def _merge(into: dict, body: Mapping[str, Any]) -> None:

@@ -2,7 +2,7 @@
 the communicators. If a member dies meanwhile, the next generation's plan is taken and the
 world is formed again (bounded)::
 
-    adopt(plan) ─► arrive ──GenerationMoved──► wait for plan g+1 ─► adopt ...
+    adopt(plan) ─► meet ──GenerationMoved──► wait for plan g+1 ─► adopt ...
                      └─► init_process_group [─► build_groups] ─► done
                               └─peer failure─► destroy ─► wait for plan g+1 ─► adopt ...
 """
@@ -38,7 +38,7 @@ def form_world(plan: Plan, adopt: Callable[[Plan], int], member, world, timeout_
     for _ in range(MAX_GENERATIONS):
         try:
             rank = adopt(plan)  # GenerationMoved: it waits for a newer plan (drain.py)
-            member.arrive(plan.gen, plan.world_size)
+            world.meet(plan, rank, member.store, lambda: member.moved_past(plan.gen))
         except GenerationMoved as moved:
             plan = member.wait_for_plan(plan.gen + 1, timeout_s, moved)
             continue

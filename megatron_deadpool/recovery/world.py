@@ -69,6 +69,10 @@ def nccl_error_handling_env(environ) -> list:
 # the lazy listener's connect has no timeout; docs/benchmarks.md). Not set here.
 
 
+ARRIVE_KEY = "arrived/"  # the rendezvous barrier's keys (World.meet)
+ARRIVE_SLICE_S = 0.2     # how soon a member waiting at it sees a newer generation
+
+
 class World:
     def __init__(self, backend: str, store_port: int, rendezvous_timeout_s: float,
                  collective_timeout_s: float, emit: Callable[..., None],
@@ -237,14 +241,47 @@ class World:
         no longer all land on the job's one store)."""
         if self._records is not None and self._records[0] == plan.gen:
             return self._records[1]
-        import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
 
-        own, clients, inner = c10d._get_default_store(), {}, []
+        at = self._stores_at(plan, c10d._get_default_store(), ab.record_store_client)
+        self._records = (plan.gen, at)
+        return at
+
+    def meet(self, plan, rank: int, store, moved: Callable[[], None]) -> None:
+        """Before generation ``plan.gen``'s world forms, every member arrived: a round of the
+        store tree on the node record stores (mirror/rounds.py ``barrier``, keys
+        ``ARRIVE_KEY``), on connections of its own (the generation's are made with its
+        world). No abort reaches a world not yet formed: ``moved()`` runs every
+        ``ARRIVE_SLICE_S`` a wait lasts and raises GenerationMoved or JobStopped. Before
+        issue 57 a counter on the job's one store, polled every 0.2 s."""
+        import torch.distributed as dist
+
+        from ..base.errors import DeadpoolError, TransportTimeout
+        from ..mirror.rounds import barrier
+
+        def connect(host, port, timeout):
+            return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                 timeout=timeout)
+
+        own = dist.PrefixStore(f"gen{plan.gen}/", store)
+        try:
+            barrier(own, rank, plan.world_size, self.rendezvous_timeout_s, self.secret, plan.gen, ARRIVE_KEY,
+                    at=self._stores_at(plan, own, connect), check=moved,
+                    slice_s=ARRIVE_SLICE_S)
+        except TransportTimeout as exc:
+            moved()
+            raise DeadpoolError(f"generation {plan.gen}: {exc}") from None
+
+    def _stores_at(self, plan, own, connect) -> Callable[[int], object]:
+        """rank -> its node's record store in ``plan`` (``connect(host, port, timeout)``
+        once per node, lazily), ``own`` where a node published none."""
+        import torch.distributed as dist
+
+        clients, inner = {}, []
         timeout = timedelta(seconds=self._form_timeout_s)
         # a counting store is a Python object that torch's PrefixStore calls back into: it
         # must outlive the generation's rounds (the retired link's too), or "Not implemented"
-        self._records_alive = (self._records_alive + [inner])[-3:]
+        self._records_alive = (self._records_alive + [inner])[-6:]  # meet and rounds, 3 gens
 
         def at(rank: int):
             node = plan.node_of_rank[rank]
@@ -254,16 +291,15 @@ class World:
                     clients[node] = own
                 else:
                     try:
-                        client = ab.record_store_client(*where, timeout)
+                        client = connect(*where, timeout)
                     except Exception:  # noqa: BLE001 - a kept address gone stale: read it again
                         where = self.node_store(node, fresh=True)
                         if where is None:
                             raise
-                        client = ab.record_store_client(*where, timeout)
+                        client = connect(*where, timeout)
                     inner.append(counting.counted(client))
                     clients[node] = dist.PrefixStore(f"gen{plan.gen}/", inner[-1])
             return clients[node]
-        self._records = (plan.gen, at)
         return at
 
     def kept(self) -> set:
