@@ -61,7 +61,7 @@ DATA = Path(__file__).resolve().parents[2] / "docs" / "data"
 PLANS_FILE = DATA / "megatron_group_plans.json"
 STORE_RATE_FILE = DATA / "store_rate.json"
 # the runs with the round records on the node record stores: which store each operation hit
-SPLIT_FILE = DATA / "bench_recovery_counts_node_stores.json"
+SPLIT_FILE = DATA / "bench_recovery_counts_barriers.json"
 FIT_MAX_W = 32   # the count law is fitted and validated on the runs up to this W
 
 
@@ -137,6 +137,10 @@ def units(store_rate: Optional[Mapping] = None, split: Optional[Mapping] = None
         Unit("restore_record_store_ops", split["restore_state"]["record_store_ops"],
              "operations", "measured here", "the restore's operations per rank on the node "
              f"record stores (its own node's, its parent's): {where}"),
+        Unit("rendezvous_record_store_ops", split["rendezvous"]["record_store_ops"],
+             "operations", "measured here", "the rendezvous barrier's operations per rank on "
+             "the node record stores (one round of the store tree, recovery/world.py meet; "
+             f"on the job's store before 2026-11-29): {where}"),
         *[Unit(f"control_store_ops_{ph}", split[ph]["control_store_ops"], "operations",
                "measured here", f"{ph}: the membership's operations per rank on the job's "
                "one store (plan reads, the rendezvous and ready barriers, the waits for a "
@@ -380,6 +384,8 @@ class ScaleLaw:
             out["record stores (the busiest node's)"] = per_node * \
                 u["restore_record_store_ops"] * u["store_server_op_s"]
         if self.phase == "rendezvous":
+            out["record stores (the busiest node's)"] = per_node * \
+                u.get("rendezvous_record_store_ops", 0.0) * u["store_server_op_s"]
             gpn = self.plans[w]["gpus_per_node"]
             out["store_server (every rank reads the plan)"] = \
                 plan_read_bytes(w, gpn) / u["store_server_bytes_s"]

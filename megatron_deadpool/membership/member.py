@@ -56,6 +56,7 @@ class Member:
         self._watcher: Optional[threading.Thread] = None
         self._watch_coord: Optional[st.Coordinator] = None
         self._node_stores: dict = {}  # node -> its record store's verified (host, port)
+        self.seen_gen = -1  # the newest generation the watcher has seen (every 0.1 s)
 
     # -------------------------------------------------------------- admission and watch
     def admit(self, status: Callable[[], dict], on_generation: Callable[[int], None],
@@ -75,7 +76,7 @@ class Member:
             try:
                 gen = client.current_gen()
                 if gen > seen:
-                    seen = gen
+                    seen = self.seen_gen = gen
                     self._news.set()
                 on_generation(gen)
                 now = time.monotonic()
@@ -174,7 +175,10 @@ class Member:
         while True:
             self._news.clear()  # before reading: news that comes after it ends the nap
             self.raise_if_stopped()
-            g = self.coord.current_gen()
+            # a survivor's watcher has seen the generation it was aborted for: no read of
+            # the job's store for it (issue 57: one operation per rank per recovery)
+            seen = self.seen_gen if self._watcher is not None else -1
+            g = seen if seen >= min_gen else self.coord.current_gen()
             plan = self._verified_plan(g) if g >= min_gen else None
             if plan is not None:
                 if plan.rank(self.lid) is not None or timeout_s is not None:
@@ -197,9 +201,10 @@ class Member:
     def moved_past(self, gen: int) -> None:
         """Raise GenerationMoved if a generation newer than ``gen`` exists, JobStopped if
         the job stopped (a wait before ``gen``'s world forms, recovery/world.py ``meet``,
-        asks every slice it waits)."""
+        asks every slice it waits). What the watcher saw: no operation on the job's store
+        (it reads the generation every WATCH_POLL_S anyway); without a watcher, the store."""
         self.raise_if_stopped()
-        now = self.coord.current_gen()
+        now = self.seen_gen if self._watcher is not None else self.coord.current_gen()
         if now > gen:
             raise st.GenerationMoved(f"generation {now} replaced {gen}")
 
