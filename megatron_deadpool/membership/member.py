@@ -56,7 +56,7 @@ class Member:
         self._watcher: Optional[threading.Thread] = None
         self._watch_coord: Optional[st.Coordinator] = None
         self._node_stores: dict = {}  # node -> its record store's verified (host, port)
-        self.seen_gen = -1  # the newest generation the watcher has seen (every 0.1 s)
+        self.seen_gen = -1  # the newest generation seen (the watcher's, every 0.1 s; reads)
 
     # -------------------------------------------------------------- admission and watch
     def admit(self, status: Callable[[], dict], on_generation: Callable[[int], None],
@@ -76,7 +76,8 @@ class Member:
             try:
                 gen = client.current_gen()
                 if gen > seen:
-                    seen = self.seen_gen = gen
+                    seen = gen
+                    self.seen_gen = max(self.seen_gen, gen)
                     self._news.set()
                 on_generation(gen)
                 now = time.monotonic()
@@ -138,12 +139,15 @@ class Member:
         return self.coord.get_plan(0)
 
     def current_gen(self) -> int:
-        return self.coord.current_gen()
+        """The job's current generation, read from its store (and kept as seen)."""
+        g = self.coord.current_gen()
+        self.seen_gen = max(self.seen_gen, g)
+        return g
 
     def membership_moved(self, gen: int) -> bool:
         """A newer generation exists, or the decider declared a member of ``gen`` dead (its
         plan follows once replacements are ready)."""
-        return self.coord.current_gen() > gen or self.coord.is_failing(gen)
+        return self.current_gen() > gen or self.coord.is_failing(gen)
 
     def report_fatal(self, rank: int, exc: BaseException, attached: bool = True) -> None:
         """Tell the decider this rank stops on an error recovery must not handle: the job
@@ -178,7 +182,7 @@ class Member:
             # a survivor's watcher has seen the generation it was aborted for: no read of
             # the job's store for it (issue 57: one operation per rank per recovery)
             seen = self.seen_gen if self._watcher is not None else -1
-            g = seen if seen >= min_gen else self.coord.current_gen()
+            g = seen if seen >= min_gen else self.current_gen()
             plan = self._verified_plan(g) if g >= min_gen else None
             if plan is not None:
                 if plan.rank(self.lid) is not None or timeout_s is not None:
@@ -204,7 +208,7 @@ class Member:
         asks every slice it waits). What the watcher saw: no operation on the job's store
         (it reads the generation every WATCH_POLL_S anyway); without a watcher, the store."""
         self.raise_if_stopped()
-        now = self.seen_gen if self._watcher is not None else self.coord.current_gen()
+        now = self.seen_gen if self._watcher is not None else self.current_gen()
         if now > gen:
             raise st.GenerationMoved(f"generation {now} replaced {gen}")
 
