@@ -49,6 +49,15 @@ class FakeMember:
     def membership_moved(self, gen):
         return self.gen > gen or gen in self.failing
 
+    def wait_moved(self, gen, timeout_s):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.raise_if_stopped()
+            if self.membership_moved(gen):
+                return True
+            time.sleep(0.01)
+        return False
+
     def publish(self, p):
         self.plans[p.gen] = p
         self.gen = p.gen

@@ -43,7 +43,6 @@ from .steps import SPARE, SURVIVOR, Crew, RebuildGroups, Sequence
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 8  # recovery attempts per failure (each on a newer generation)
-NEW_GEN_POLL_S = 0.02
 
 
 class Runtime:
@@ -291,13 +290,8 @@ class Runtime:
         if not is_comm_failure(exc):
             return False
         cfg = self.config
-        deadline = time.monotonic() + cfg.heartbeat_timeout_s + 2 * cfg.heartbeat_interval_s + 1
-        while time.monotonic() < deadline:
-            self.member.raise_if_stopped()
-            if self.member.membership_moved(self.state.generation):
-                return True
-            time.sleep(NEW_GEN_POLL_S)
-        return False
+        return self.member.wait_moved(self.state.generation, cfg.heartbeat_timeout_s
+                                      + 2 * cfg.heartbeat_interval_s + 1)
 
     def _recover_until_done(self, exc: BaseException, iteration_at_failure: Optional[int]
                             ) -> None:
