@@ -90,7 +90,7 @@ class StoreRounds:
     def __init__(self, store, rank: int, world_size: int, timeout_s: float = 600.0,
                  secret: Optional[str] = None, gen: int = 0,
                  at: Optional[Callable[[int], Any]] = None, prefix: str = PREFIX,
-                 check: Callable[[], None] = lambda: None, slice_s: float = SLICE_S):
+                 check: Callable[[], None] = lambda: None, slice_s: Optional[float] = None):
         """``store``: this generation's (a key written in one generation is never read in
         another: world.py prefixes the store per generation); ``secret``, ``gen``: the job's
         and this generation's, bound into every record (None: an empty key, for tests that
@@ -100,8 +100,9 @@ class StoreRounds:
         so a rank uses its own node's store and its parent's, and each server carries the
         records of its node's ranks' children. None: all on ``store``. ``prefix``: the
         keys' (one per user of the rounds: the mirror's, the keep votes'). ``check()``:
-        called every ``slice_s`` a wait lasts; it may raise to end the round (a barrier
-        before the generation's world exists, which no abort reaches: GenerationMoved)."""
+        called every ``slice_s`` (None: SLICE_S) a wait lasts; it may raise to end the
+        round (a barrier before the generation's world exists, which no abort reaches:
+        GenerationMoved)."""
         self.store, self.rank, self.world_size = store, rank, world_size
         self.prefix = prefix
         self.timeout_s = timeout_s
@@ -223,7 +224,7 @@ class StoreRounds:
         if not self.children:
             return {}
         keys = [self._key(r, "u", c) for c in self.children]
-        while not waited(self._kids_at, keys, min(self.slice_s, deadline - time.monotonic())):
+        while not waited(self._kids_at, keys, min(self._slice(), deadline - time.monotonic())):
             self.check()
             if time.monotonic() >= deadline:
                 raise self._timeout(what, limit, f" (no record of this round from ranks "
@@ -250,7 +251,7 @@ class StoreRounds:
         verified; when it stays forged (or an older round's) for GRACE_S, a result that
         names it (so that this rank's subtree fails the round too)."""
         key = self._key(r, "d", self.rank)
-        while not waited(self._mine_at, [key], min(self.slice_s, deadline - time.monotonic())):
+        while not waited(self._mine_at, [key], min(self._slice(), deadline - time.monotonic())):
             self.check()
             if time.monotonic() >= deadline:
                 raise self._timeout(what, limit)
@@ -270,6 +271,9 @@ class StoreRounds:
             pause = min(pause * 2, 0.05)
             self._heal(r)
             raw = self._read(self._mine_at, key, pause)
+
+    def _slice(self) -> float:
+        return SLICE_S if self.slice_s is None else self.slice_s
 
     def _read(self, store, key: str, seconds: float) -> Optional[bytes]:
         """The key's value, or None if it is not there within ``seconds`` (a wait, then
@@ -310,7 +314,7 @@ READY_KEY = "ready/"  # the ready barrier's keys (control/steps.py Agree.ready)
 
 def barrier(store, rank: int, world_size: int, timeout_s: float, secret: Optional[str],
             gen: int, prefix: str, at: Optional[Callable[[int], Any]] = None,
-            check: Callable[[], None] = lambda: None, slice_s: float = SLICE_S) -> None:
+            check: Callable[[], None] = lambda: None, slice_s: Optional[float] = None) -> None:
     """Every member of generation ``gen`` reached this point: one round of the tree with
     nothing posted, under keys of its own (``prefix``: READY_KEY, world.py's ARRIVE_KEY).
     Each rank does O(FANOUT) store operations on its own node's and its parent's record
