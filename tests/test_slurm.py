@@ -94,6 +94,18 @@ def _wait_mid_run(cluster, job, out, timeout=300):
     raise RuntimeError(f"no process of job {job} has NODE_ORDER")
 
 
+def _wait_spare_standby(log: Path, timeout=120):
+    """Until the spare node's process is a standby spare (its line in the job's output): a
+    drain asked before it joined is refused for want of a spare (CI, 2026-11-29, under load:
+    the drain came 5 lines before the spare's)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.exists() and "waiting for an assignment" in log.read_text():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"no standby spare in {log} after {timeout}s")
+
+
 def _first_recovery_event_ts(out: Path) -> float:
     ev = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
     return min(e["ts"] for e in ev if e["event"] in ("abort", "promoted", "phase"))
@@ -209,6 +221,7 @@ def test_a_slurm_drain_swaps_the_node_before_it_fails(cluster, tmp_path, referen
     t0 = time.monotonic()
     job, out = _submit(cluster, tmp_path)
     node = _wait_mid_run(cluster, job, out)
+    _wait_spare_standby(tmp_path / "job.out")
     t_drain = time.time()
     cluster.run("scontrol", "update", f"nodename={node}", "state=drain",
                 "reason=deadpool-test-maintenance")
