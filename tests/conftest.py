@@ -175,3 +175,27 @@ def on_every_rank(world: int, fn, join_s: float = 60.0) -> list:
     for t in threads:
         t.join(join_s)
     return out
+
+
+def in_processes(world: int, worker, *args, timeout: float = 240.0) -> dict:
+    """``worker(rank, port, *args, queue)`` in ``world`` spawned processes, with a free port
+    for their store; by rank, what each put on the queue. A worker puts its traceback as a
+    string when it fails: any of those fails the caller here, all of them shown."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, port, *args, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=timeout) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    errors = [v for v in got.values() if isinstance(v, str)]
+    assert not errors, "\n".join(errors)
+    return got

@@ -2,14 +2,13 @@
 pure sharing rule, then megatron's real groups on a 4-process gloo world, where the shared
 groups must carry every role's traffic with the same results as separate groups."""
 
-import socket
 import traceback
 from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from conftest import in_processes
 from megatron_deadpool.recovery.shared_groups import share_key
 
 WORLD = 4
@@ -32,12 +31,6 @@ def test_gloo_calls_with_the_same_members_and_timeout_share():
 ])
 def test_calls_that_build_their_own_group(arguments, world_backend):
     assert share_key(arguments, world_backend, 4) is None
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _traffic(ps, rank):
@@ -106,18 +99,7 @@ def _worker(rank, port, share, q):
 
 
 def _run(share: bool) -> dict:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=_worker, args=(r, port, share, q)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=180) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-    errors = [v for v in got.values() if isinstance(v, str)]
-    assert not errors, "\n".join(errors)
-    return got
+    return in_processes(WORLD, _worker, share, timeout=180)
 
 
 @pytest.mark.slow

@@ -4,16 +4,14 @@ two stages: no communicator of the world is made at the build or at any rebuild 
 and SUM and MAX are the world's. By default (``world``) megatron's own group is made."""
 
 import json
-import socket
 import subprocess
 import sys
 import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from conftest import REPO
+from conftest import REPO, in_processes
 from test_megatron_lm_train import FLAGS, NEWEST
 
 WORLD = 8  # TP2 x PP2 x DP2
@@ -40,12 +38,6 @@ def test_the_plan_of_a_large_job_staged_makes_no_group_of_every_rank():
     assert plan["grad_stats"] == "world", plan
     assert {"size": 512, "megatron": "INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP"} in \
         plan["busiest_survivor"]["groups"], plan
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, port, q):
@@ -85,17 +77,7 @@ def _worker(rank, port, q):
 @pytest.mark.slow
 @pytest.mark.ci
 def test_the_staged_group_sums_and_maxes_as_the_world_and_no_world_group_is_made():
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=_worker, args=(r, port, q)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=240) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-    errors = [v for v in got.values() if isinstance(v, str)]
-    assert not errors, "\n".join(errors)
+    got = in_processes(WORLD, _worker)
     for rank, out in got.items():
         assert out["staged"] and out["world_calls"] == 0, out
         assert (out["size"], out["rank"]) == (WORLD, rank)
