@@ -22,7 +22,10 @@ class Clock:
 
 
 def _decider(spares=2, hb_timeout=0.5):
-    store = dist.HashStore()
+    return _decider_on(dist.HashStore(), spares, hb_timeout)
+
+
+def _decider_on(store, spares=2, hb_timeout=0.5):
     procs = {r: Proc(lid=r, node=r // 2, role="active", rank=r) for r in range(8)}
     for i in range(spares):
         procs[8 + i] = Proc(lid=8 + i, node=4 + i // 2, role="spare")
@@ -79,6 +82,34 @@ def test_exit_produces_next_generation_plan():
     assert plan.failed_ranks == (2, 3) and plan.spare_of_rank == {2: 8, 3: 9}
     assert plan.rank_of[8] == 2 and 2 not in plan.rank_of
     assert plan.node_of_rank[2] == 4 and plan.prev_node_of_rank[2] == 1
+
+
+def test_a_plan_carries_its_nodes_record_stores_and_a_delta_only_a_new_nodes():
+    """Issue 57: the record store addresses are signed with the plan, each read once from
+    the job's store, so a recovery's members read none there; the delta of a recovery
+    carries the spare node's address alone."""
+    from megatron_deadpool.base.plan import delta
+
+    store = dist.HashStore()
+    for node in range(6):  # each node's agent publishes its own before its workers start
+        _c(store).publish_node_store(node, "10.0.0.%d" % node, 7000 + node)
+    d, _, _ = _decider_on(store)
+    g0 = _c(store).get_plan(0)
+    assert g0.node_stores == {str(n): ("10.0.0.%d" % n, 7000 + n) for n in range(4)}
+    for lid in range(10):
+        _join(store, lid)
+    d.step()
+    read, orig = [], d.coord.node_store
+    d.coord.node_store = lambda node: read.append(node) or orig(node)  # recorded from now
+    _c(store).push_event("exit", lid=2, code=-9, node=1)
+    _c(store).push_event("exit", lid=3, code=-9, node=1)
+    d.step()
+    d.step()
+    g1 = _c(store).get_plan(1)
+    assert read == [4]  # the spares' node, new in this plan; the others' were kept
+    assert g1.node_store(4) == ("10.0.0.4", 7004) and g1.node_store(0) == ("10.0.0.0", 7000)
+    # the delta: the new node in, the lost one out
+    assert delta(g0, g1)["node_stores"] == {"set": {"4": ["10.0.0.4", 7004]}, "gone": ["1"]}
 
 
 def test_stale_heartbeat_is_fenced_then_replaced():

@@ -51,6 +51,9 @@ class Plan:
     t_failure: Optional[float] = None    # when the failure it answers happened
     # a planned swap: its failed_ranks are the drained node's, whose processes are alive
     drain: Optional[Drain] = None
+    # str(node) -> (host, port) of that node's record store (launch/agent.py), signed with
+    # the plan so that no member reads an address from the job's store in a recovery
+    node_stores: Mapping[str, Tuple[str, int]] = field(default_factory=dict)
 
     def rank(self, lid: int) -> Optional[int]:
         """``lid``'s rank in this generation; None when it is not a member."""
@@ -61,6 +64,10 @@ class Plan:
         node = self.node_of_rank[rank]
         return sorted((lid for lid, r in self.rank_of.items() if self.node_of_rank[r] == node),
                       key=self.rank_of.__getitem__)
+
+    def node_store(self, node: Hashable) -> Optional[Tuple[str, int]]:
+        """(host, port) of ``node``'s record store as the plan carries it, or None."""
+        return self.node_stores.get(str(node))
 
     def newcomers(self) -> set:
         """The processes that took a rank in this plan (spares, standbys)."""
@@ -78,7 +85,8 @@ class Plan:
                 "failed_ranks": list(self.failed_ranks),
                 "spare_of_rank": {str(k): v for k, v in self.spare_of_rank.items()},
                 "t": self.t, "t_failure": self.t_failure,
-                "drain": None if self.drain is None else self.drain.to_json()}
+                "drain": None if self.drain is None else self.drain.to_json(),
+                "node_stores": {n: [h, int(pt)] for n, (h, pt) in self.node_stores.items()}}
 
     @classmethod
     def from_json(cls, d: dict) -> "Plan":
@@ -90,7 +98,9 @@ class Plan:
                    failed_ranks=tuple(d.get("failed_ranks", ())),
                    spare_of_rank={int(k): int(v) for k, v in d.get("spare_of_rank", {}).items()},
                    t=float(d.get("t", 0.0)), t_failure=d.get("t_failure"),
-                   drain=None if drain is None else Drain.from_json(drain))
+                   drain=None if drain is None else Drain.from_json(drain),
+                   node_stores={str(n): (str(a[0]), int(a[1]))
+                                for n, a in d.get("node_stores", {}).items()})
 
 
 # ---------------------------------------------------------------------- plan deltas
@@ -98,7 +108,7 @@ class Plan:
 # a full plan is O(W) bytes, and every member reading it made the rendezvous O(W^2) bytes
 # through the job's one store). A member without g - 1 (a promoted spare, a skipped
 # generation), or whose applied delta does not give the plan's digest, reads the full plan.
-_DICTS = ("rank_of", "spare_of_rank")
+_DICTS = ("rank_of", "spare_of_rank", "node_stores")
 _LISTS = ("node_of_rank", "prev_node_of_rank", "failed_ranks")
 
 

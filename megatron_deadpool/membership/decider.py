@@ -68,6 +68,7 @@ class Decider:
         self.local = LocalRestarts(self.config.max_local_restarts)
         self.waited_for_spare_s = 0.0
         self._plan_t = 0.0  # when the newest plan was published
+        self._addresses: Dict[int, tuple] = {}  # node -> its record store (_node_stores)
         self.drains = DrainQueue(self.coord.answer_drain)  # planned swaps (drain.py)
         self.stragglers = StragglerWatch(self.config.straggler_swap)  # straggler.py
 
@@ -86,9 +87,21 @@ class Decider:
         return {p.lid: p.node for p in self.procs.values()}
 
     def _publish(self, plan: Plan) -> None:
+        plan = dataclasses.replace(plan, node_stores=self._node_stores(plan))
         self.coord.publish_plan(plan)
         self.plans.append(plan)
         self._plan_t = self.clock()
+
+    def _node_stores(self, plan: Plan) -> Dict[str, tuple]:
+        """The record store addresses of ``plan``'s nodes, signed with it: each read once
+        from the job's store (an agent publishes its own before its workers start), so a
+        recovery's plan delta carries only a new node's, and no member reads one."""
+        for node in set(plan.node_of_rank) - set(self._addresses):
+            where = self.coord.node_store(node)
+            if where is not None:  # none published (no agent): the members fall back
+                self._addresses[node] = where
+        return {str(n): tuple(self._addresses[n]) for n in sorted(set(plan.node_of_rank), key=str)
+                if n in self._addresses}
 
     def note_fault(self, t: float) -> None:
         """A scheduled fault was delivered at ``t``: detection latency is measured from it."""

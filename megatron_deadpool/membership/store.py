@@ -15,7 +15,8 @@ below marked (signed) is sealed with the job secret for its slot (``auth.py``). 
     dp/failing/{g}                 a member of g was declared dead; its replacement plan
                                    may take a while (signed, gen)
     dp/hb/{lid}, dp/agent_hb/{n}   worker and node-agent heartbeats (signed)
-    dp/node_store/{n}             where node n's agent serves its ranks' round records (signed)
+    dp/node_store/{n}             where node n's agent serves its ranks' round records (signed;
+                                  the decider carries it in every plan's node_stores)
     dp/cmd/{node}/n, .../{i}       commands for a node agent (signed, node and i; CommandOp)
     dp/inject/{i}                  counter: the first process to reach fault i claims it
     dp/report/{g}/{r}, boundary/.. rank r's recovery timings of generation g, the iteration

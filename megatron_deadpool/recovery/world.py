@@ -274,7 +274,9 @@ class World:
 
     def _stores_at(self, plan, own, connect) -> Callable[[int], object]:
         """rank -> its node's record store in ``plan`` (``connect(host, port, timeout)``
-        once per node, lazily), ``own`` where a node published none."""
+        once per node, lazily), ``own`` where a node published none. The address is the
+        one the signed plan carries; read from the job's store only where the plan has
+        none, or when a connection to it failed."""
         import torch.distributed as dist
 
         clients, inner = {}, []
@@ -286,7 +288,8 @@ class World:
         def at(rank: int):
             node = plan.node_of_rank[rank]
             if node not in clients:
-                where = self.node_store(node) if self.node_store else None
+                where = plan.node_store(node) or (self.node_store(node) if self.node_store
+                                                  else None)
                 if where is None:
                     clients[node] = own
                 else:
