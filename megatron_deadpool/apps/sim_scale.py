@@ -61,7 +61,7 @@ DATA = Path(__file__).resolve().parents[2] / "docs" / "data"
 PLANS_FILE = DATA / "megatron_group_plans.json"
 STORE_RATE_FILE = DATA / "store_rate.json"
 # the runs with the round records on the node record stores: which store each operation hit
-SPLIT_FILE = DATA / "bench_recovery_counts_barriers.json"
+SPLIT_FILE = DATA / "bench_recovery_counts_plan_addresses.json"
 FIT_MAX_W = 32   # the count law is fitted and validated on the runs up to this W
 
 
