@@ -52,7 +52,8 @@ class Hooked:
                 forged = self.swap(name, args[0], args[1])
                 args = args if forged is None else (args[0], forged)
             out = op(*args)
-            if self.after_wait is not None and name == "wait":
+            # a wait's end: a look (``check``, records.polled) that found the keys
+            if self.after_wait is not None and (name == "wait" or name == "check" and out):
                 self.after_wait(self.raw, args[0])
             if self.hook is not None and name in ("set", "add", "multi_set"):
                 self.hook(self.raw, name, args[0], args[1])

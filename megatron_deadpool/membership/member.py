@@ -34,7 +34,7 @@ PLAN_POLL_S = 0.02
 # generation or a stop, at most this long at a time. Polling every PLAN_POLL_S, two standby
 # spares took 1-2 % of a 2-core machine's CPU from training (docs/peers.md).
 STANDBY_NAP_S = 1.0
-MOVED_SLICE_S = 0.5  # wait_moved: how often the stop and the watcher's news are looked at
+MOVED_SLICE_S = WATCH_POLL_S / 2  # wait_moved: how often the watcher's news and the stop are looked at
 
 
 class Member:
@@ -153,13 +153,15 @@ class Member:
     def wait_moved(self, gen: int, timeout_s: float) -> bool:
         """After a communication error: True once a generation newer than ``gen`` exists,
         or, at the end, once the decider declared a member of ``gen`` dead (its plan follows
-        when replacements are ready); False after ``timeout_s``. The wait blocks on the next
-        plan's key, so the decider's write ends it at once: one operation per
-        ``MOVED_SLICE_S`` waited, not three every 0.02 s (issue 57: every survivor whose
-        collective failed before the declaration polled the job's store so). A plan key
-        that is there without a newer verified generation (a forger's) is looked at again
-        every ``PLAN_POLL_S``."""
-        from .records import waited
+        when replacements are ready); False after ``timeout_s``. A member with a watcher
+        takes the generation the watcher reads every WATCH_POLL_S anyway: no operation on
+        the job's store until the end (issue 57: every survivor whose collective failed
+        before the declaration polled the job's store, three operations every 0.02 s; then
+        a wait on the next plan's key, whose 0.5 s timeouts torch logged, each with a
+        reverse name lookup: records.polled). Without a watcher, the next plan's key is
+        looked at (``polled``); a plan key that is there without a newer verified
+        generation (a forger's) is looked at again every ``PLAN_POLL_S``."""
+        from .records import polled
 
         deadline = time.monotonic() + timeout_s
         key = st.k("plan", gen + 1)
@@ -170,7 +172,9 @@ class Member:
             left = deadline - time.monotonic()
             if left <= 0:
                 return self.membership_moved(gen)
-            if waited(self.store, [key], min(MOVED_SLICE_S, left)):
+            if self._watcher is not None:
+                time.sleep(min(MOVED_SLICE_S, left))
+            elif polled(self.store, [key], min(MOVED_SLICE_S, left)):
                 if self.current_gen() > gen:
                     return True
                 time.sleep(PLAN_POLL_S)

@@ -198,8 +198,34 @@ def peek(raw: Optional[bytes]) -> dict:
         return {}
 
 
+POLL_FIRST_S = 0.001  # polled(): the first pause, doubling up to POLL_MOST_S
+POLL_MOST_S = 0.02
+
+
+def polled(store, keys: Sequence[str], seconds: float) -> bool:
+    """True once every key of ``keys`` is in ``store``, False after ``seconds``: one
+    ``check`` per look, the pauses between looks doubling from POLL_FIRST_S to POLL_MOST_S.
+    For a wait that is expected to outlast its slice (a round that waits for its slowest
+    member, looking at its generation every slice): a store ``wait`` that times out makes
+    torch's TCPStore client log two warnings, and each formats the socket's addresses with
+    a reverse name lookup. Where no name server answers, that lookup takes 5 s: at W = 32
+    the rendezvous' 0.2 s slices left thousands of such lines and three ranks' rendezvous
+    took 5.2 s (2026-11-29). A look costs one operation, on the node record stores."""
+    deadline = time.monotonic() + seconds
+    pause = POLL_FIRST_S
+    while True:
+        if store.check(list(keys)):
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, POLL_MOST_S)
+
+
 def waited(store, keys: Sequence[str], seconds: float) -> bool:
-    """``store.wait(keys)``: False on its timeout."""
+    """``store.wait(keys)``: False on its timeout (which torch logs: ``polled`` for a wait
+    that often outlasts ``seconds``)."""
     try:
         store.wait(list(keys), timedelta(seconds=max(seconds, 1e-3)))
         return True

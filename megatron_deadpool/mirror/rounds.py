@@ -9,8 +9,8 @@ member's record in each round: 101 / 172 / 316 store operations in a restore at 
 The members form a tree of fan-out ``FANOUT`` (rank x's parent is (x - 1) // FANOUT, its
 children FANOUT x + 1 ... FANOUT x + FANOUT; rank 0 is the root). A round r, for rank x::
 
-    up:    x waits for {r}/u/{c} of each child c (one wait, then get_now of each: a read
-           never waits on a key deleted after the wait), verifies each,
+    up:    x waits for {r}/u/{c} of each child c (looks, ``records.polled``, then get_now
+           of each: a read never waits on a key deleted after the look), verifies each,
            merges them with its own posts and adds, and writes its subtree's signed record
            {r}/u/{x}: the posts, the adds summed, the topics and counters its subtree reads,
            and the ranks named forged below it
@@ -20,12 +20,13 @@ children FANOUT x + 1 ... FANOUT x + FANOUT; rank 0 is the root). A round r, for
            then deletes its own {r}/u/{x} and {r}/d/{x} (both read by then)
 
 Each rank verifies at most FANOUT + 1 records and does at most MAX_OPS_PER_ROUND (14) store
-operations per round (plus one ``compare_set`` and one ``wait`` per SLICE_S it waits), at
+operations per round (plus the looks of its waits, one ``check`` each, and one
+``compare_set`` per SLICE_S it waits), at
 any W; a round takes 2 log_FANOUT W store hops in a row. Rank 0 still merges O(W) bytes of
 posts (the store server did O(W) per round already). Rounds are numbered per generation,
 and every member runs the same rounds in the same order (the mirror's calls are
 collective, as they were on a gloo group). The keys of a round are per round, so that a
-wait on them blocks until they are written, and deleted once read, so that a
+wait on them lasts until they are written, and deleted once read, so that a
 generation's keys do not grow with its steps.
 
     all_ok(flag)            an AND: the sum of the members' "false" adds
@@ -58,7 +59,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..base import counts
 from ..base.errors import ForgedRecordError, TransportTimeout
-from ..membership.records import get_now, waited
+from ..membership.records import get_now, polled
 from . import round_records as rr
 
 log = logging.getLogger(__name__)
@@ -67,9 +68,9 @@ PREFIX = "mirror/rounds/"
 ROOT = 0
 FANOUT = 4       # children per member: each rank verifies at most FANOUT + 1 records
 # a rank's store operations in one round, at most, as --deadpool-count-work counts them (a
-# key of a multi_set once): one wait for its children, a get_now of each child's record,
-# its own record, one wait and one get_now for its result, its children's results, two
-# deletes (waits that time out add more)
+# key of a multi_set once): one look for its children, a get_now of each child's record,
+# its own record, one look and one get_now for its result, its children's results, two
+# deletes (a wait's further looks add more: records.polled)
 MAX_OPS_PER_ROUND = 2 * FANOUT + 6
 GRACE_S = 2.0    # a forged record that stays forged this long fails the round
 SLICE_S = 1.0    # a waiting rank looks at its own up record this often (put back if changed)
@@ -224,7 +225,7 @@ class StoreRounds:
         if not self.children:
             return {}
         keys = [self._key(r, "u", c) for c in self.children]
-        while not waited(self._kids_at, keys, min(self._slice(), deadline - time.monotonic())):
+        while not polled(self._kids_at, keys, min(self._slice(), deadline - time.monotonic())):
             self.check()
             if time.monotonic() >= deadline:
                 raise self._timeout(what, limit, f" (no record of this round from ranks "
@@ -251,7 +252,7 @@ class StoreRounds:
         verified; when it stays forged (or an older round's) for GRACE_S, a result that
         names it (so that this rank's subtree fails the round too)."""
         key = self._key(r, "d", self.rank)
-        while not waited(self._mine_at, [key], min(self._slice(), deadline - time.monotonic())):
+        while not polled(self._mine_at, [key], min(self._slice(), deadline - time.monotonic())):
             self.check()
             if time.monotonic() >= deadline:
                 raise self._timeout(what, limit)
@@ -279,7 +280,7 @@ class StoreRounds:
         """The key's value, or None if it is not there within ``seconds`` (a wait, then
         get_now: a plain get of a key a forger deleted after the wait would hold the reader
         until the store's timeout)."""
-        return get_now(store, key) if waited(store, [key], seconds) else None
+        return get_now(store, key) if polled(store, [key], seconds) else None
 
     def _heal(self, r: int) -> None:
         """Put this rank's up record back if a forger deleted or changed it (while it waits
@@ -318,7 +319,7 @@ def barrier(store, rank: int, world_size: int, timeout_s: float, secret: Optiona
     """Every member of generation ``gen`` reached this point: one round of the tree with
     nothing posted, under keys of its own (``prefix``: READY_KEY, world.py's ARRIVE_KEY).
     Each rank does O(FANOUT) store operations on its own node's and its parent's record
-    stores (``at``), plus one wait and one ``compare_set`` per ``slice_s`` it waits, and
+    stores (``at``), plus the looks of its waits and one ``compare_set`` per ``slice_s``, and
     none on the job's store, at any W (issue 57: the rendezvous and ready barriers were
     counters and polls on the job's store, 4 and 6 operations per rank per recovery). A
     member that never arrives leaves the others waiting until the abort (a newer
