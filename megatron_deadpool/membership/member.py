@@ -34,7 +34,7 @@ PLAN_POLL_S = 0.02
 # generation or a stop, at most this long at a time. Polling every PLAN_POLL_S, two standby
 # spares took 1-2 % of a 2-core machine's CPU from training (docs/peers.md).
 STANDBY_NAP_S = 1.0
-MOVED_SLICE_S = WATCH_POLL_S / 2  # wait_moved: how often the watcher's news and the stop are looked at
+MOVED_SLICE_S = 0.5  # wait_moved: the longest nap between two looks (news wakes it)
 
 
 class Member:
@@ -154,8 +154,8 @@ class Member:
         """After a communication error: True once a generation newer than ``gen`` exists,
         or, at the end, once the decider declared a member of ``gen`` dead (its plan follows
         when replacements are ready); False after ``timeout_s``. A member with a watcher
-        takes the generation the watcher reads every WATCH_POLL_S anyway: no operation on
-        the job's store until the end (issue 57: every survivor whose collective failed
+        takes the generation the watcher reads every WATCH_POLL_S anyway, woken by its news:
+        no operation on the job's store until the end (issue 57: every survivor whose collective failed
         before the declaration polled the job's store, three operations every 0.02 s; then
         a wait on the next plan's key, whose 0.5 s timeouts torch logged, each with a
         reverse name lookup: records.polled). Without a watcher, the next plan's key is
@@ -166,6 +166,7 @@ class Member:
         deadline = time.monotonic() + timeout_s
         key = st.k("plan", gen + 1)
         while True:
+            self._news.clear()  # before looking: the watcher's news after it ends the nap
             self.raise_if_stopped()
             if self.seen_gen > gen:  # the watcher saw it
                 return True
@@ -173,7 +174,7 @@ class Member:
             if left <= 0:
                 return self.membership_moved(gen)
             if self._watcher is not None:
-                time.sleep(min(MOVED_SLICE_S, left))
+                self._news.wait(min(MOVED_SLICE_S, left))  # woken by the watcher's news
             elif polled(self.store, [key], min(MOVED_SLICE_S, left)):
                 if self.current_gen() > gen:
                     return True
