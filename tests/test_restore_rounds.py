@@ -106,12 +106,13 @@ class _PerKey:
     lasts, records.polled) apart, in ``looks``."""
 
     def __init__(self, inner):
-        self.inner, self.ops, self.looks = inner, 0, 0
+        self.inner, self.ops, self.looks, self.waits = inner, 0, 0, 0
 
     def __getattr__(self, name):
         op = getattr(self.inner, name)
 
         def counted(*args):
+            self.waits += name == "wait"
             if name == "check":
                 self.looks += 1
             else:
@@ -199,21 +200,14 @@ def test_a_round_that_outlasts_its_slices_never_lets_a_store_wait_time_out():
     from megatron_deadpool.mirror.rounds import barrier
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    waits = []
-
-    class Client:
-        def __init__(self):
-            self.raw = dist.TCPStore("127.0.0.1", server.port, is_master=False)
-
-        def __getattr__(self, name):
-            if name == "wait":
-                waits.append(name)
-            return getattr(self.raw, name)
+    clients = [_PerKey(dist.TCPStore("127.0.0.1", server.port, is_master=False))
+               for _ in range(4)]
 
     def one(r):
         if r == 3:
             time.sleep(1.0)
-        barrier(Client(), r, 4, 20.0, "s" * 32, 1, "arrived/", slice_s=0.05)
+        barrier(clients[r], r, 4, 20.0, "s" * 32, 1, "arrived/", slice_s=0.05)
 
     assert on_every_rank(4, one) == [None] * 4
-    assert waits == []
+    assert [c.waits for c in clients] == [0] * 4
+    assert max(c.looks for c in clients) > 4  # the early ones looked while rank 3 slept

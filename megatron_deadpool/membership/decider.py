@@ -96,12 +96,13 @@ class Decider:
         """The record store addresses of ``plan``'s nodes, signed with it: each read once
         from the job's store (an agent publishes its own before its workers start), so a
         recovery's plan delta carries only a new node's, and no member reads one."""
-        for node in set(plan.node_of_rank) - set(self._addresses):
-            where = self.coord.node_store(node)
-            if where is not None:  # none published (no agent): the members fall back
-                self._addresses[node] = where
-        return {str(n): tuple(self._addresses[n]) for n in sorted(set(plan.node_of_rank), key=str)
-                if n in self._addresses}
+        nodes = sorted(set(plan.node_of_rank), key=str)
+        for node in nodes:
+            if node not in self._addresses:
+                where = self.coord.node_store(node)
+                if where is not None:  # none published (no agent): the members fall back
+                    self._addresses[node] = tuple(where)
+        return {str(n): self._addresses[n] for n in nodes if n in self._addresses}
 
     def note_fault(self, t: float) -> None:
         """A scheduled fault was delivered at ``t``: detection latency is measured from it."""

@@ -154,13 +154,13 @@ class Member:
         """After a communication error: True once a generation newer than ``gen`` exists,
         or, at the end, once the decider declared a member of ``gen`` dead (its plan follows
         when replacements are ready); False after ``timeout_s``. A member with a watcher
-        takes the generation the watcher reads every WATCH_POLL_S anyway, woken by its news:
-        no operation on the job's store until the end (issue 57: every survivor whose collective failed
-        before the declaration polled the job's store, three operations every 0.02 s; then
-        a wait on the next plan's key, whose 0.5 s timeouts torch logged, each with a
-        reverse name lookup: records.polled). Without a watcher, the next plan's key is
-        looked at (``polled``); a plan key that is there without a newer verified
-        generation (a forger's) is looked at again every ``PLAN_POLL_S``."""
+        takes the generation the watcher reads every WATCH_POLL_S anyway, woken by its
+        news: no operation on the job's store until the end (issue 57: every survivor
+        whose collective failed before the declaration polled the job's store, three
+        operations every 0.02 s; then a wait on the next plan's key, whose 0.5 s timeouts
+        torch logged, each with a reverse name lookup: records.polled). Without a watcher,
+        the next plan's key is looked at (``polled``); a plan key that is there without a
+        newer verified generation (a forger's) is looked at again every ``PLAN_POLL_S``."""
         from .records import polled
 
         deadline = time.monotonic() + timeout_s

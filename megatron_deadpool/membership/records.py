@@ -211,10 +211,10 @@ def polled(store, keys: Sequence[str], seconds: float) -> bool:
     a reverse name lookup. Where no name server answers, that lookup takes 5 s: at W = 32
     the rendezvous' 0.2 s slices left thousands of such lines and three ranks' rendezvous
     took 5.2 s (2026-11-29). A look costs one operation, on the node record stores."""
-    deadline = time.monotonic() + seconds
+    deadline, keys = time.monotonic() + seconds, list(keys)
     pause = POLL_FIRST_S
     while True:
-        if store.check(list(keys)):
+        if store.check(keys):
             return True
         left = deadline - time.monotonic()
         if left <= 0:
