@@ -64,3 +64,38 @@ def test_poweroff_targets_a_node_only():
     assert f.node == 2 and f.kind == "poweroff"
     with pytest.raises(ConfigError, match="targets a node"):
         parse_fault("poweroff:rank=3@iter=6", 0)
+
+
+def _silence_node_1(section: str, seconds: float):
+    """Every process beats in ``section``; node 1's agent and both its processes (ranks 2
+    and 3) stop together at 0.5 s. The generation after ``seconds``."""
+    d, c, cmds, clock = _decider()
+    for lid in range(10):
+        c.push_event("join", lid=lid, nonce=f"n{lid}")
+    for step in range(int(seconds * 10)):
+        for lid in range(10):
+            if not (lid in (2, 3) and step > 5):
+                c.beat(lid, seq=step + 1, iteration=1, state="ACTIVE", committed=0, gen=0,
+                       section=section, section_n=1)
+        for node in range(5):
+            if node != 1 or step <= 5:
+                c.agent_beat(node, step + 1)
+        d.step()
+        clock.t += 0.1
+    return d, c
+
+
+def test_a_node_silent_as_a_whole_is_lost_before_any_heartbeat_timeout():
+    """A power loss silences a node's agent and every process of it at once: after
+    AGENT_SILENT_S (1 s) of that, the node is gone, well before its processes' heartbeat
+    timeout (2 s here, 5 s by default) that the rule before waited for."""
+    d, c = _silence_node_1("step", 1.8)  # silent 1.3 s: short of the 2 s timeout
+    assert d.gen == 1
+    assert c.get_plan(1).failed_ranks == (2, 3)
+
+
+def test_a_whole_silent_node_in_a_gil_section_waits_for_the_timeouts():
+    """In a section that may hold the GIL (a save, startup) a process may not beat, and a
+    machine busy with it may starve the agent: the same silence is no proof there."""
+    d, _ = _silence_node_1("save", 1.8)
+    assert d.gen == 0
