@@ -106,86 +106,16 @@ def record_store_client(host: str, port: int, timeout):
 def _tracked_client(host: str, port: int, timeout, fresh: bool):
     """A TCPStore client whose connection the abort shuts down with the generation's
     (``fresh``: the first of a generation, which forgets the last generation's)."""
-    client, inodes = store_client(host, port, timeout)
-    with _owned_lock:
-        if fresh:
-            _gen_store.clear()
-        _gen_store.update(inodes)
-    return client
-
-
-# ------------------------------------------------------------ connections opened ahead
-# A recovery is a burst of new store connections: every survivor connects to the job's
-# store (its generation's groups) and to the node record stores its rounds read, all at
-# once. torch's TCPStore client looks up the server's name from its address when it
-# connects (``getnameinfo`` without ``NI_NUMERICHOST``, twice per connect). Where that
-# reverse lookup reaches a resolver that drops queries under a burst (this project's CI
-# machines: one connect in several waited the resolver's 5 s timeout, 36 of 254 at
-# W = 32), the recovery waits with it. So each connection a generation takes is replaced,
-# REFILL_AFTER_S later and off the training thread, by one parked for the next generation:
-# a recovery takes connections that already exist. A parked one is checked with one
-# operation when taken; one that fails (its server gone, or its socket shut by an abort that
-# counted it as a communicator's) is dropped, and a new one opened in its place.
-REFILL_AFTER_S = 2.0
-PARKED_MOST = 4  # per address: more than a generation takes (its rounds, meet, groups)
-_parked: Dict[tuple, List[tuple]] = {}  # (host, port) -> [(client, its socket inodes)]
-_parked_lock = threading.Lock()
-_parking = threading.Lock()  # one background connect at a time: each finds its own socket
-
-
-def store_client(host: str, port: int, timeout) -> tuple:
-    """A connected TCPStore client of ``host:port`` and its socket's inodes: a parked one
-    that answers, else a new one; either way another is parked for the next taker."""
-    got = _take_parked(host, port, timeout)
-    if got is None:
-        got = _open_client(host, port, timeout)
-    timer = threading.Timer(REFILL_AFTER_S, _park, args=(host, port, timeout))
-    timer.daemon = True
-    timer.start()
-    return got
-
-
-def parked_count(host: str, port: int) -> int:
-    with _parked_lock:
-        return len(_parked.get((host, port), ()))
-
-
-def _open_client(host: str, port: int, timeout) -> tuple:
     import torch.distributed as dist
 
     before = set(socket_inodes())
     client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                            timeout=timeout)
-    inodes = {inode for inode, fd in socket_inodes().items()
-              if inode not in before and (_ports(fd) or (0, 0))[1] == port}
-    return client, inodes
-
-
-def _take_parked(host: str, port: int, timeout) -> Optional[tuple]:
-    with _parked_lock:
-        queue = _parked.get((host, port))
-        got = queue.pop(0) if queue else None
-    if got is None:
-        return None
-    try:
-        got[0].check(["dp/parked"])  # one round trip: the connection still answers
-        got[0].set_timeout(timeout)
-    except Exception:  # noqa: BLE001 - a dead parked connection: a new one instead
-        return None
-    return got
-
-
-def _park(host: str, port: int, timeout) -> None:
-    with _parked_lock:
-        if len(_parked.get((host, port), ())) >= PARKED_MOST:
-            return
-    try:
-        with _parking:
-            got = _open_client(host, port, timeout)
-    except Exception:  # noqa: BLE001 - nothing parked; the next taker connects itself
-        return
-    with _parked_lock:
-        _parked.setdefault((host, port), []).append(got)
+    with _owned_lock:
+        if fresh:
+            _gen_store.clear()
+        _gen_store.update(set(socket_inodes()) - before)
+    return client
 
 
 def _ports(fd: int) -> Optional[tuple]:

@@ -259,8 +259,9 @@ class World:
         from ..base.errors import DeadpoolError, TransportTimeout
         from ..mirror.rounds import barrier
 
-        def connect(host, port, timeout):  # not the abort's: no abort reaches a world forming
-            return ab.store_client(host, port, timeout)[0]
+        def connect(host, port, timeout):
+            return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                 timeout=timeout)
 
         own = dist.PrefixStore(f"gen{plan.gen}/", store)
         try:
