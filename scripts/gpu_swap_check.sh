@@ -28,7 +28,8 @@
 # --rehearse: the whole call on this machine's CPU under the device's rules: git and make
 #   off PATH, no package index, a carry made first if --carry names none (the tag this
 #   Python runs), the last case cut by a scaled-down deadline (bench gpu --rehearse-cut),
-#   and OUT checked. Default cases: ref-free, ref-free-again, ref-kill-fwdbwd,
+#   and OUT checked; fp32, not bf16 (bf16 matmuls on a CPU without bf16 instructions take
+#   about 100x fp32's). Default cases: ref-free, ref-free-again, ref-kill-fwdbwd,
 #   ref-kill-optimizer (--cases to change).
 # --counts: instead of the swaps, issue 51's communicator repair on NCCL at W = 8, 16, 32
 #   (scripts/gpu_repair_counts.py): OUT/gpu_repair_counts.json. About 2-4 minutes.

@@ -105,6 +105,8 @@ def command(case: Case, out: str, tree: Optional[str], device: str = "cuda") -> 
             *(["--share-gpu"] if device == "cuda" else []),
             "--summary-json", d + ".json", "--results-dir", d]
     flags = list(TRAINER_FLAGS[case.trainer])
+    if device == "cpu":  # a rehearsal runs fp32: bf16 matmuls on a CPU without bf16
+        flags.remove("--bf16")  # instructions take about 100x fp32's (AMD EPYC, AVX2)
     if case.trainer == "pretrain_gpt":
         argv += ["--script", os.path.join(tree, "pretrain_gpt.py")]
     else:
