@@ -36,23 +36,10 @@ def _decider():
 
 def test_a_silent_node_is_lost_whole_when_one_process_goes_stale_first():
     """Node 1's agent last beat 0.5 s after its process 3 did: when process 3's heartbeat
-    is stale, the agent has been silent 1.6 s, short of its own timeout. Both ranks of the
-    node go in one plan, with no fence (nobody is there to carry it out)."""
-    d, c, cmds, clock = _decider()
-    for lid in range(10):
-        c.push_event("join", lid=lid, nonce=f"n{lid}")
-    seq = 0
-    for step in range(22):  # 2.1 s in steps of 0.1 s
-        seq += 1
-        for lid in range(10):
-            if not (lid in (2, 3) and step > 0):
-                c.beat(lid, seq=seq, iteration=1, state="ACTIVE", committed=0, gen=0)
-        for node in range(5):
-            if node != 1 or step <= 5:
-                c.agent_beat(node, seq)
-        d.step()
-        clock.t += 0.1
-    d.step()
+    is stale, the agent has been silent 1.6 s, short of its own timeout. Process 2 still
+    beats, so the node is not silent as a whole (``node_silent``). Both ranks of the node
+    go in one plan, with no fence (nobody is there to carry it out)."""
+    d, c, cmds = _silence_node_1(procs_after=0, agent_after=5, seconds=2.2, lids=(3,))
     assert d.gen == 1
     plan = c.get_plan(1)
     assert plan.failed_ranks == (2, 3) and plan.spare_of_rank == {2: 8, 3: 9}
@@ -66,30 +53,33 @@ def test_poweroff_targets_a_node_only():
         parse_fault("poweroff:rank=3@iter=6", 0)
 
 
-def _silence_node_1(section: str, seconds: float):
-    """Every process beats in ``section``; node 1's agent and both its processes (ranks 2
-    and 3) stop together at 0.5 s. The generation after ``seconds``."""
+def _silence_node_1(procs_after: int, agent_after: int, seconds: float,
+                    section: str = "step", lids=(2, 3)):
+    """Every process beats in ``section`` every 0.1 s; ``lids`` of node 1 (ranks 2 and 3)
+    stop after step ``procs_after`` and its agent after step ``agent_after``. The decider,
+    the store and the commands sent, after ``seconds``."""
     d, c, cmds, clock = _decider()
     for lid in range(10):
         c.push_event("join", lid=lid, nonce=f"n{lid}")
-    for step in range(int(seconds * 10)):
+    for step in range(round(seconds * 10)):
         for lid in range(10):
-            if not (lid in (2, 3) and step > 5):
+            if not (lid in lids and step > procs_after):
                 c.beat(lid, seq=step + 1, iteration=1, state="ACTIVE", committed=0, gen=0,
                        section=section, section_n=1)
         for node in range(5):
-            if node != 1 or step <= 5:
+            if node != 1 or step <= agent_after:
                 c.agent_beat(node, step + 1)
         d.step()
         clock.t += 0.1
-    return d, c
+    d.step()
+    return d, c, cmds
 
 
 def test_a_node_silent_as_a_whole_is_lost_before_any_heartbeat_timeout():
     """A power loss silences a node's agent and every process of it at once: after
     AGENT_SILENT_S (1 s) of that, the node is gone, well before its processes' heartbeat
     timeout (2 s here, 5 s by default) that the rule before waited for."""
-    d, c = _silence_node_1("step", 1.8)  # silent 1.3 s: short of the 2 s timeout
+    d, c, _ = _silence_node_1(5, 5, 1.8)  # silent 1.3 s: short of the 2 s timeout
     assert d.gen == 1
     assert c.get_plan(1).failed_ranks == (2, 3)
 
@@ -97,5 +87,5 @@ def test_a_node_silent_as_a_whole_is_lost_before_any_heartbeat_timeout():
 def test_a_whole_silent_node_in_a_gil_section_waits_for_the_timeouts():
     """In a section that may hold the GIL (a save, startup) a process may not beat, and a
     machine busy with it may starve the agent: the same silence is no proof there."""
-    d, _ = _silence_node_1("save", 1.8)
+    d, _, _ = _silence_node_1(5, 5, 1.8, section="save")
     assert d.gen == 0

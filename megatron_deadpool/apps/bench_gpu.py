@@ -97,8 +97,8 @@ REHEARSAL_CUT = 0.4  # --rehearse-cut: the last case gets this share of a finish
 
 
 def command(case: Case, out: str, tree: Optional[str], device: str = "cuda") -> List[str]:
-    """A case's launch. ``device="cpu"``: the same job in CPU mode with gloo (a rehearsal
-    of the script on a machine without a GPU)."""
+    """A case's launch. ``device="cpu"``: the same job in CPU mode with gloo and fp32 (a
+    rehearsal of the script on a machine without a GPU)."""
     d = os.path.join(out, case.name)
     argv = [sys.executable, "-m", "megatron_deadpool.apps.cli", "launch", "--nodes", "4",
             "--procs-per-node", "2", "--spare-nodes", "1", "--device", device,

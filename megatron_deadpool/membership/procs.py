@@ -201,14 +201,14 @@ def scan(coord, procs: Dict[int, Proc], agents: "AgentClock", now: float, cfg, g
             log(f"ignored a replayed (older) heartbeat of process {p.lid}")
     for node in sorted({p.node for p in procs.values()}):
         since = agents.observe(node, coord.agent_heartbeat(node), now)
-        why = f"node {node} lost (agent heartbeat stale for {now - (since or now):.1f}s)"
+        how = "lost (agent heartbeat stale"
         if since is None:
-            since = node_silent(node, live, agents, now)
-            why = f"node {node} gone: its agent and every process silent for " \
-                  f"{now - (since or now):.1f}s"
-        for p in procs.values() if since is not None else ():
-            if p.node == node and p.state in (ProcState.ALIVE, ProcState.STARTING):
-                out.append((p, why, since, False))
+            since, how = node_silent(node, live, agents, now), "gone (agent and processes silent"
+        if since is None:
+            continue
+        why = f"node {node} {how} for {now - since:.1f}s)"
+        out += [(p, why, since, False) for p in procs.values()
+                if p.node == node and p.state in (ProcState.ALIVE, ProcState.STARTING)]
     lost = {p.lid for p, *_ in out}
     excuse_waiters(live, now, cfg)  # a silent member is judged, not its waiters
     for p in live:
