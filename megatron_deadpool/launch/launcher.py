@@ -30,6 +30,7 @@ from ..recovery.phases import EventSink
 from ..base.worker_env import WorkerEnv
 from .agent import STOP_GRACE_S, NodeAgent, WorkerSpec
 from .fault_driver import FaultDriver
+from .name_lookup import warn_if_slow
 from .nvrx import Nvrx, resume_or_load, worker_env
 from .options import LaunchOptions, free_port, validate, worker_command, worker_specs
 from .slurm_drain import watch_this_node
@@ -79,6 +80,8 @@ def run(opts: LaunchOptions, out=sys.stdout) -> dict:
     if opts.script and cfg.enabled:  # a restart under ft_launcher: the fallback or --load
         opts.trainer_argv = resume_or_load(opts.trainer_argv, opts.world_size, say)
     job = _setup(opts, cfg, faults, say, out)
+    if cfg.enabled:  # every connection to the coordinator, this node's included
+        warn_if_slow(opts.master_addr, say)
     job.nvrx = Nvrx.connect(say) if cfg.enabled else None
     t0 = time.time()
     say(f"{opts.nodes} node(s) x {opts.procs_per_node} + {opts.spare_nodes if cfg.enabled else 0}"
