@@ -109,7 +109,6 @@ def test_the_outbox_rules_catch_what_would_not_come_back(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_the_cpu_rehearsal_of_the_one_call(tmp_path):
     """The whole device call on CPU under the device's rules (git and make off PATH, no
     package index), in its cheapest form: the smoke test, ref-free, ref-free-again and a

@@ -262,7 +262,6 @@ def _stops_then_resumes(tmp_path, reference, save_flags, spares, inject):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_lost_primary_and_buddy_saves_then_resumes_bitwise(tmp_path, reference):
     """Node 1's ranks (2, 3) keep their copies on node 2: both nodes die together, so memory
     holds no copy of ranks 2 and 3; the periodic saves (every 2 iterations) hold them."""

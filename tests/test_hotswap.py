@@ -19,7 +19,6 @@ def _check_ok(p, s, ref):
         assert rec["ranks_reported"] == 8
 
 
-@pytest.mark.ci
 def test_node_killed(tmp_path, reference):
     events = tmp_path / "ev.jsonl"
     p, s = launch(tmp_path, FLAGS + ["--deadpool", "--deadpool-audit", "full",
@@ -57,7 +56,6 @@ def test_two_successive_failures_with_two_spare_nodes(tmp_path, reference):
     assert set(r2["spare_of_rank"].values()) == {10, 11}
 
 
-@pytest.mark.ci
 def test_failure_of_rank_whose_buddy_node_failed_earlier(tmp_path, reference):
     """Node ring: rank 0 mirrors to rank 2 (node 1). Node 1 dies first; rank 0 must be
     re-protected on the spare node, or its later death would be unrecoverable."""

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import job_output, launch
 from mlm import REPO, patched_tree, python_for
-from test_megatron_lm_train import FLAGS, NEWEST, OLDER, ON_NEWEST_IN_CI
+from test_megatron_lm_train import FLAGS, NEWEST, OLDER, in_ci_on
 
 pytestmark = [pytest.mark.slow]
 
@@ -136,7 +136,7 @@ def test_production_flags_save_eval_and_load_through_a_swap(tree, reference, tmp
     assert a["losses"] == b["losses"] and a["losses"]
 
 
-@pytest.mark.parametrize("tag", ON_NEWEST_IN_CI)
+@pytest.mark.parametrize("tag", in_ci_on(None))
 def test_a_node_killed_during_an_evaluation(tree, reference, tmp_path):
     """Node 2 dies as the first evaluation, after iteration 4, begins. The restore lands
     before that evaluation (its snapshot is taken first), so every rank, the promoted
@@ -157,7 +157,7 @@ def test_a_node_killed_during_an_evaluation(tree, reference, tmp_path):
     assert _val_losses(pk.stdout + pk.stderr) == _val_losses(out_r)
 
 
-@pytest.mark.parametrize("tag", ON_NEWEST_IN_CI)
+@pytest.mark.parametrize("tag", in_ci_on(None))
 def test_sequence_parallel_and_moe_through_a_swap(tree, tmp_path):
     """TP2 with sequence parallel (CPU: cpu_standins.sequence_parallel_norm) and MoE with
     expert parallelism 2 (expert tensor parallelism 1: the experts have biases), on top of

@@ -145,7 +145,7 @@ def test_last_resort_fallback_then_resume_is_bitwise(run, tag, tmp_path_factory)
     assert resumed["final_state_sha256"] == ref["final_state_sha256"]
 
 
-@pytest.mark.parametrize("tag", ON_NEWEST_IN_CI)
+@pytest.mark.parametrize("tag", in_ci_on(None))
 def test_save_then_load_is_bitwise(run, tag, tmp_path_factory):
     """Megatron-LM's own checkpoints, dropout on (its default 0.1): a job with --deadpool
     --save's every 4 iterations (ending where the unpatched script does: the saves change

@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.slow]
 
 
 # CI: the TP2.PP2.DP2 case (the other two run in `make test-all`; CI time, see .ci/run)
-@pytest.mark.parametrize("tp,pp,victim", [pytest.param(2, 2, 5, marks=pytest.mark.ci),
+@pytest.mark.parametrize("tp,pp,victim", [(2, 2, 5),
                                           (1, 4, 3), (1, 1, 6)])
 def test_rank_killed_during_optimizer_restores_from_buddy(tmp_path, reference, tp, pp, victim):
     """Rank `victim` dies inside its optimizer step at iteration 7 (others may already have

@@ -272,7 +272,6 @@ def _flags(extra, iters=8):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_job_with_a_save_4x_the_step_timeout_is_not_fenced(tmp_path):
     p, s = launch(tmp_path, _flags(["--mock-save-interval", "4", "--mock-save-s", "16"]),
                   nodes=2, ppn=1, spares=1)

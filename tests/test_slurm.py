@@ -213,7 +213,6 @@ def _lose_node(cluster, job, node):
     return t_kill, killed, slurm_down_s, after_down
 
 
-@pytest.mark.ci
 def test_a_slurm_drain_swaps_the_node_before_it_fails(cluster, tmp_path, reference):
     """``scontrol update nodename=X state=drain``: the node's agent sees DRAIN within a few
     seconds and asks for a planned swap; its rank moves to the spare node at an iteration

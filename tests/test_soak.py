@@ -72,7 +72,6 @@ def test_first_divergence_names_the_iteration_rank_and_part(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_short_soak(tmp_path):  # CI: 2 successive failures (103 s with 3 in CI)
     _soak(tmp_path, 2, seed=3)
 

@@ -65,7 +65,6 @@ def _cli(args, env):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-@pytest.mark.ci
 def test_no_spare_waits_for_a_spare_node_that_joins(tmp_path, reference):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
                DEADPOOL_TOKEN=secrets.token_hex(16))

@@ -115,7 +115,6 @@ def test_a_member_declared_dead_meanwhile_moves_the_generation():
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_a_spare_slower_to_build_than_the_operation_deadline_recovers_bitwise(tmp_path,
                                                                               reference):
     cfg = DeadpoolConfig(enabled=True, rendezvous_timeout_s=20.0)

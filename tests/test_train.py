@@ -26,7 +26,7 @@ def test_reference_config_deterministic_loss_falls_seed_matters(tmp_path):
 
 
 # CI: the TP4 layout (the other two run in `make test-all`; CI time, see .ci/run)
-@pytest.mark.parametrize("tp,pp", [(1, 4), (1, 1), pytest.param(4, 1, marks=pytest.mark.ci)])
+@pytest.mark.parametrize("tp,pp", [(1, 4), (1, 1), (4, 1)])
 def test_layouts_train(tmp_path, tp, pp):
     p, s = launch(tmp_path, layout_flags(tp, pp, 8))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
