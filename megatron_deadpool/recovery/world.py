@@ -374,9 +374,7 @@ class World:
     def retire(self) -> None:
         """The aborted generation is over. A gloo world with a complete build forgets
         megatron's globals and keeps torch's registry (the replay decides what stays);
-        otherwise everything is destroyed. gloo operations may start again (the abort
-        refused them: gloo_waits.reopen)."""
-        gloo_waits.reopen()
+        otherwise everything is destroyed."""
         if not (self.keep and self.book.lids):
             self.destroy()
             return
