@@ -235,9 +235,14 @@ def _stuck_worker(rank: int, path: str, stuck: str, out) -> None:
     store.wait(["received"], timedelta(seconds=60))
     received = (f"{store.get('received').decode()} {x.sum().item()} {y.sum().item()} "
                 f"{z.sum().item()}")
-    threading.Timer(2.0, lambda: w.abort("test: the plan moved on", 0)).start()
+    if stuck == "recv_after_abort":  # the abort first, the main thread's receive after it
+        w.abort("test: the plan moved on", 0)
+    else:
+        threading.Timer(2.0, lambda: w.abort("test: the plan moved on", 0)).start()
     try:
-        if stuck == "send":
+        if stuck == "recv_after_abort":  # on a group the abort did not shut (a kept one),
+            dist.recv(torch.zeros(4), 1, group=unknown)  # from a survivor gone on: 20 s
+        elif stuck == "send":
             dist.isend(torch.ones(4), 1, group=unknown).wait()
         elif stuck == "coalesced":  # torch waits on the coalesced work itself at the end
             with dist._coalescing_manager(group=unknown):
@@ -259,7 +264,7 @@ def _stuck_worker(rank: int, path: str, stuck: str, out) -> None:
 
 
 @pytest.mark.parametrize("stuck", ["send", "all_reduce", "coalesced", "sp_all_gather",
-                                   "sp_reduce_scatter"])
+                                   "sp_reduce_scatter", "recv_after_abort"])
 def test_a_gloo_wait_the_socket_shutdown_misses_ends_at_the_abort(tmp_path, stuck):
     """A survivor blocked in a gloo send once sat out the whole op deadline (15 s) before
     reaching the new plan, and one in a collective still did after the p2p fix. A wait
@@ -272,7 +277,13 @@ def test_a_gloo_wait_the_socket_shutdown_misses_ends_at_the_abort(tmp_path, stuc
     sp_*: megatron's sequence-parallel all-gather and reduce-scatter, issued through the
     names megatron bound at import (issue 57). They were neither abandoned nor tallied: the
     survivor sat in gloo until its deadline closed every pair of the group, which the vote
-    (seeing nothing open) had kept ("Application timeout caused pair closure")."""
+    (seeing nothing open) had kept ("Application timeout caused pair closure").
+
+    recv_after_abort: the abort comes first, with nothing pending, and the main thread,
+    not knowing yet, posts a receive on a group the abort did not shut (a kept group), from
+    a survivor that has moved on. It sat in gloo until the deadline (a survivor's 15 s
+    rendezvous in the bench and the fault matrix, 2026-11-29); it now fails at once, and
+    nothing reaches gloo (the group's tally stays settled)."""
     import multiprocessing as mp
 
     from megatron_deadpool.recovery import gloo_waits
@@ -297,12 +308,16 @@ def test_a_gloo_wait_the_socket_shutdown_misses_ends_at_the_abort(tmp_path, stuc
     assert received == "4.0 8.0 12.0 60.0 9.0"
     assert msg == gloo_waits.ABANDONED, msg  # not "Timed out waiting 20000ms for ..."
     assert is_comm_failure(RuntimeError(msg))
-    assert tally == "open:1", tally  # not "keep:...": the vote rebuilds that group
+    if stuck == "recv_after_abort":  # refused before gloo had it: nothing left open
+        assert tally.startswith("keep:"), tally
+    else:
+        assert tally == "open:1", tally  # not "keep:...": the vote rebuilds that group
 
 
 def test_a_p2p_work_issued_before_an_abort_is_never_waited_on_after_it():
     """A work issued in the old generation and first waited on after the abort would sit
-    in gloo again: it raises at once. One already done keeps its result."""
+    in gloo again: it raises at once, and so does one issued after the abort until the
+    aborted generation is retired. One already done keeps its result."""
     from megatron_deadpool.recovery import gloo_waits
 
     class Work:
@@ -320,6 +335,11 @@ def test_a_p2p_work_issued_before_an_abort_is_never_waited_on_after_it():
         late.wait()
     assert late._work.waited == 0  # never handed to gloo
     assert done.wait()  # done before the abort: still done
+    early = gloo_waits.AbortableWork(Work())  # issued after the abort, before the retire
+    with pytest.raises(RuntimeError, match="communicator was aborted"):
+        early.wait()
+    assert early._work.waited == 0
+    gloo_waits.reopen()  # World.retire: the next generation's operations run
     fresh = gloo_waits.AbortableWork(Work())
     assert fresh.wait() and fresh._work.waited == 1
 

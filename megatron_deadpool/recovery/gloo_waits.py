@@ -98,6 +98,11 @@ _lock = threading.Lock()
 _waiters: Dict[int, _Waiter] = {}  # caller thread's ident -> its waiter
 _pending: Set[_Box] = set()
 _epoch = 0  # aborts so far: a work made before the last one is never waited on in gloo
+# From an abort until the aborted generation is retired (``reopen``), no gloo operation
+# starts: the main thread may still issue one before it learns of the abort, and on a group
+# the abort did not shut (a kept one), a receive from a survivor that has moved on sat in
+# gloo until its 15 s deadline (the stuck "recv" of the fault matrix and the bench, 2026-11-29)
+_fenced = False
 
 
 class AbortableWork:
@@ -119,8 +124,8 @@ class AbortableWork:
         if self._box is None:
             me = threading.get_ident()
             with _lock:
-                if self._epoch != _epoch:  # issued before an abort, first waited after it
-                    raise RuntimeError(ABANDONED)
+                if self._epoch != _epoch or _fenced:  # issued before an abort, first
+                    raise RuntimeError(ABANDONED)       # waited on after it
                 waiter = _waiters.get(me)
                 if waiter is None:
                     waiter = _waiters[me] = _Waiter()
@@ -148,10 +153,12 @@ class AbortableWork:
 
 def abandon_all() -> int:
     """(any thread; the abort) End every gloo wait in progress with a communication
-    failure and retire the waiters that may be stuck in gloo. Returns how many waits."""
-    global _epoch
+    failure and retire the waiters that may be stuck in gloo; no gloo operation starts
+    until ``reopen``. Returns how many waits."""
+    global _epoch, _fenced
     with _lock:
         _epoch += 1
+        _fenced = True
         boxes = list(_pending)
         _pending.clear()
         stuck = {id(b.waiter): b.waiter for b in boxes}
@@ -163,6 +170,21 @@ def abandon_all() -> int:
                 waiter.q.put(None)  # it leaves once gloo lets go of it
                 del _waiters[ident]
     return len(boxes)
+
+
+def reopen() -> None:
+    """(the main thread, once the aborted generation is retired: World.retire) gloo
+    operations may start again, on the groups kept and on the next generation's."""
+    global _fenced
+    with _lock:
+        _fenced = False
+
+
+def _refuse_if_fenced() -> None:
+    """An operation issued between an abort and ``reopen`` fails at once, before gloo has
+    it: nothing is posted on the group (its tally stays as it was), no wait can sit."""
+    if _fenced:
+        raise RuntimeError(ABANDONED)
 
 
 def install() -> None:
@@ -234,6 +256,8 @@ def _abortable_p2p(orig):
     send = orig.__name__ == "isend"
 
     def p2p(tensor, *args, **kwargs):
+        if tensor.device.type == "cpu":
+            _refuse_if_fenced()
         work = orig(tensor, *args, **kwargs)
         if work is None or tensor.device.type != "cpu" or isinstance(work, AbortableWork):
             return work
@@ -281,6 +305,7 @@ def _abortable(orig):
         arguments.update(kwargs)
         if not _on_gloo(arguments):
             return orig(*args, **kwargs)
+        _refuse_if_fenced()
         blocking = not arguments.get("async_op", False)
         if len(args) > at:
             args = args[:at] + (True,) + args[at + 1:]
@@ -327,6 +352,7 @@ def _abortable_coalescing(orig):
             with orig(group=group, device=device, async_ops=async_ops) as cm:
                 yield cm
             return
+        _refuse_if_fenced()
         with orig(group=group, device=device, async_ops=True) as cm:
             yield cm
         cm.works[:] = [w if w is None or isinstance(w, AbortableWork)

@@ -150,6 +150,8 @@ class World:
         with self._lock:
             self._live_gen = gen
             self.aborted = False
+        gloo_waits.reopen()  # the next generation is live: its operations run (a world
+        # formed again after a failed formation is never retired: formation.py)
 
     def lazy_default(self, gen: int) -> bool:
         """A recovery's default group (generation > 0, gloo, groups kept) opens no
@@ -374,7 +376,9 @@ class World:
     def retire(self) -> None:
         """The aborted generation is over. A gloo world with a complete build forgets
         megatron's globals and keeps torch's registry (the replay decides what stays);
-        otherwise everything is destroyed."""
+        otherwise everything is destroyed. gloo operations may start again (the abort
+        refused them: gloo_waits.reopen)."""
+        gloo_waits.reopen()
         if not (self.keep and self.book.lids):
             self.destroy()
             return
