@@ -35,10 +35,10 @@ def torch_form(addr: str) -> str:
     return f"::ffff:{ip}" if ip.version == 4 else str(ip)
 
 
-def slowest_lookup_s(addr: str, concurrent: int = CONCURRENT) -> float:
-    """The slowest of ``concurrent`` reverse lookups of ``addr`` made at once, as torch
-    makes them (an error counts as its time: the resolver gave up)."""
-    where = (torch_form(addr), 0, 0, 0)
+def slowest_lookup_s(form: str, concurrent: int = CONCURRENT) -> float:
+    """The slowest of ``concurrent`` reverse lookups of ``form`` (``torch_form``'s) made at
+    once, as torch makes them (an error counts as its time: the resolver gave up)."""
+    where = (form, 0, 0, 0)
     times = []
 
     def one() -> None:
@@ -60,9 +60,9 @@ def slowest_lookup_s(addr: str, concurrent: int = CONCURRENT) -> float:
 def warn_if_slow(addr: str, say: Callable[[str], None]) -> threading.Thread:
     """In the background: ``say`` a warning if a reverse lookup of ``addr`` is slow."""
     def check() -> None:
-        seconds = slowest_lookup_s(addr)
+        form = torch_form(addr)
+        seconds = slowest_lookup_s(form)
         if seconds > SLOW_S:
-            form = torch_form(addr)
             say(f"warning: a reverse name lookup of the coordinator's address ({form}) took "
                 f"{seconds:.1f} s: torch makes two per TCPStore connection, and a recovery "
                 f"opens its connections at once; add '{form} <name>' to /etc/hosts on every "

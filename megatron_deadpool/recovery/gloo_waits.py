@@ -98,10 +98,11 @@ _lock = threading.Lock()
 _waiters: Dict[int, _Waiter] = {}  # caller thread's ident -> its waiter
 _pending: Set[_Box] = set()
 _epoch = 0  # aborts so far: a work made before the last one is never waited on in gloo
-# From an abort until the aborted generation is retired (``reopen``), no gloo operation
-# starts: the main thread may still issue one before it learns of the abort, and on a group
-# the abort did not shut (a kept one), a receive from a survivor that has moved on sat in
-# gloo until its 15 s deadline (the stuck "recv" of the fault matrix and the bench, 2026-11-29)
+# From an abort until ``reopen`` (the aborted generation retired, or the next one live), no
+# gloo operation starts: the main thread may still issue one before it learns of the abort,
+# and on a group the abort did not shut (a kept one), a receive from a survivor that has
+# moved on sat in gloo until its 15 s deadline (the stuck "recv" of the fault matrix and the
+# bench, 2026-11-29)
 _fenced = False
 
 
@@ -173,8 +174,9 @@ def abandon_all() -> int:
 
 
 def reopen() -> None:
-    """(the main thread, once the aborted generation is retired: World.retire) gloo
-    operations may start again, on the groups kept and on the next generation's."""
+    """(the main thread, once the aborted generation is retired, World.retire, or the next
+    one is live, World.init_process_group: a world formed again after a failed formation is
+    never retired) gloo operations may start again, on the groups kept and the new ones."""
     global _fenced
     with _lock:
         _fenced = False
