@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -88,11 +89,17 @@ def main() -> int:
             refs[key] = ref["final_state_sha256"]
         for s in scenarios:
             t0 = time.time()
-            p, summary = launch(work, trainer_flags(layout, s.trajectory + s.flags + extra,
-                                                    s.iters),
-                                spares=s.spares, inject=s.inject, name=f"{layout}-{s.name}")
-            cells[(s.name, layout)] = judge(s, p.returncode, summary, refs[s.reference_key()])
-            (work / f"{layout}-{s.name}.log").write_text(p.stdout + p.stderr)  # for a post-mortem
+            try:
+                p, summary = launch(work, trainer_flags(layout, s.trajectory + s.flags + extra,
+                                                        s.iters),
+                                    spares=s.spares, inject=s.inject, name=f"{layout}-{s.name}")
+                cells[(s.name, layout)] = judge(s, p.returncode, summary,
+                                                refs[s.reference_key()])
+                output = p.stdout + p.stderr
+            except subprocess.TimeoutExpired as e:  # a hung cell is a failed cell, not the end
+                summary, output = None, _text(e.stdout) + _text(e.stderr)
+                cells[(s.name, layout)] = f"FAILED (no exit in {e.timeout:.0f} s)"
+            (work / f"{layout}-{s.name}.log").write_text(output)  # for a post-mortem
             recs = [r for r in (summary or {}).get("recoveries", []) if not r.get("superseded")]
             totals[(s.name, layout)] = [r["total_s"] for r in recs]
             total_s[(s.name, layout)] = max(totals[(s.name, layout)], default=None)
@@ -135,6 +142,12 @@ def main() -> int:
     Path(a.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {a.out}; FAILED cells: {len(failed)}")
     return 1 if failed else 0
+
+
+
+def _text(out) -> str:
+    """A timed-out run's captured output (bytes, str or None) as text."""
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
 
 
 if __name__ == "__main__":
