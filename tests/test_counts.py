@@ -149,3 +149,24 @@ def test_the_memberships_operations_on_the_jobs_store_are_counted_apart(monkeypa
     on = Member(1, 0, "127.0.0.1", port, secret, 0.5, 10, counted=counting.main_connection)
     got = ops(on)
     assert got.get("control_store_ops", 0) >= 2 and "store_ops" not in got, got
+
+
+def test_the_busiest_survivors_rebuild_is_split_at_the_dead_ranks_groups():
+    """Issue 57: what a survivor did outside the dead ranks' own groups is what must not
+    grow with the world; the busiest survivor is the one with the most connections."""
+    from megatron_deadpool.apps.bench_recovery import busiest_line
+
+    reports = [
+        {"rank": 0, "counts": {"rebuild_groups": {  # the dead ranks' two groups only
+            "connections": 13, "store_ops": 30, "dead_groups": 2, "dead_group_members": 15,
+            "dead_group_connections": 13, "dead_group_store_ops": 26}}},
+        {"rank": 5, "counts": {"rebuild_groups": {  # an unsettled group: outside them
+            "connections": 3, "store_ops": 8}}},
+        {"rank": 6, "counts": {}},
+    ]
+    b = counts.busiest(reports)
+    assert (b["rank"], b["dead_groups"], b["dead_group_members"]) == (0, 2, 15)
+    assert b["outside_dead_groups"] == {"connections": 0, "store_ops": 4}
+    assert b["outside_dead_groups_most"] == {"connections": 3, "store_ops": 8}
+    assert "outside them 0 and 4 (most by any survivor: 3 and 8)" in busiest_line(b)
+    assert counts.busiest([{"rank": 1, "counts": {}}]) == {}

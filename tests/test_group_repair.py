@@ -132,6 +132,12 @@ def test_kept_groups_hold_no_dead_rank_and_rebuilt_ones_equal_a_fresh_build(
         assert all(g is not h for h, _ in after.values())
     assert did.get("groups_kept", 0) >= (1 if kept else 0)
     assert did.get("groups_rebuilt", 0) >= 1  # the default group at least
+    # the dead ranks' own groups, counted apart (issue 57): each rebuilt group that holds
+    # a dead rank, once, with its size and its connections
+    mine = {id(g): ranks for g, ranks in after.values() if set(ranks) & set(dead)}
+    assert did.get("dead_groups", 0) == len(mine), (did, mine)
+    assert did.get("dead_group_members", 0) == sum(len(r) for r in mine.values())
+    assert did.get("dead_group_connections", 0) == sum(len(r) - 1 for r in mine.values())
 
 
 def test_a_group_with_an_operation_in_flight_is_rebuilt(fake_world):
@@ -281,3 +287,97 @@ def test_a_survivors_replay_calls_torch_only_for_the_groups_it_rebuilds(fake_wor
     assert len(calls) == len(mine), f"torch called for {len(calls) - len(mine)} foreign groups"
     assert len(calls) == did.get("groups_rebuilt", 0)  # (the default group is made before)
     assert len(calls) <= 4, calls  # the dead ranks' data-parallel side only: not O(W)
+
+
+KINDS_CAUGHT = ("coalesced", "all_reduce", "never_waited")
+
+
+def _caught_worker(rank: int, port: int, out) -> None:
+    """One of three members of three gloo groups. On each, ranks 0 and 1 are caught by the
+    abort in a collective that rank 2 never issued (as a data-parallel reduce-scatter the
+    dead ranks' pipeline partners never joined), one kind per group (KINDS_CAUGHT); then
+    the three settle the groups with real signed rounds over the store, and each kept group
+    must still compute."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch
+
+    from megatron_deadpool.mirror import rounds as rounds_mod
+    from megatron_deadpool.recovery import gloo_waits
+
+    client = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg/", client), rank=rank,
+                            world_size=3, timeout=timedelta(seconds=20))
+    gloo_waits.install()
+    groups = {k: dist.new_group([0, 1, 2], backend="gloo", timeout=timedelta(seconds=20))
+              for k in KINDS_CAUGHT}
+    held = []
+
+    def caught(kind, g):
+        try:
+            if kind == "coalesced":  # as megatron's bucketed gradient reduce-scatter
+                with dist._coalescing_manager(group=g):
+                    dist.reduce_scatter_tensor(torch.zeros(2), torch.ones(6), group=g)
+            elif kind == "never_waited":  # issued asynchronously (--overlap-grad-reduce),
+                # and the failure came before its wait
+                held.append(dist.all_gather_into_tensor(  # the handle kept, as megatron's
+                    torch.zeros(6), torch.ones(2), group=g, async_op=True))  # bucket does
+            else:
+                dist.all_reduce(torch.ones(5), group=g)
+        except RuntimeError:  # abandoned at the abort
+            pass
+    for kind, g in groups.items():
+        dist.all_reduce(torch.ones(6), group=g)  # settled: one collective each
+        if rank < 2:
+            threading.Thread(target=caught, args=(kind, g), daemon=True).start()
+    time.sleep(1.0)
+    gloo_waits.abandon_all()  # the abort
+    gloo_waits.reopen()       # the next generation live
+    keys = {((0, 1, 2), "gloo", n): k for n, k in enumerate(KINDS_CAUGHT)}
+    lids = {r: 10 + r for r in range(3)}
+    rounds = rounds_mod.StoreRounds(dist.PrefixStore("keep/", client), rank, 3, 20.0,
+                                    "job-secret", gen=1)
+    replay = repair.Replay(gen=1, me=rank, lids=lids, failed=set(), rounds=rounds,
+                           old=repair.Book(groups={key: groups[k] for key, k in keys.items()},
+                                           lids=dict(lids)))
+    before = counts.snapshot()
+    replay.settle()
+    got = {}
+    for key, kind in keys.items():
+        y = torch.full((3,), rank + 1.0)
+        if replay.verdicts.get(key, False):
+            dist.all_reduce(y, group=groups[kind])
+        got[kind] = y.tolist()
+    out.put((rank, got, counts.delta(before, counts.snapshot()).get("groups_completed", 0)))
+    client.set(f"done{rank}", "1")
+    client.wait([f"done{r}" for r in range(3)], timedelta(seconds=30))
+
+
+def test_groups_caught_with_a_collective_in_flight_are_completed_and_kept():
+    """Issue 57: a group none of whose members died, caught by the failure in a collective
+    some members issued and the others never did, was rebuilt by every member (W / (TP x
+    PP) - 1 connections each, the last recovery work outside the dead ranks' groups that
+    grew with W). The members that never issued it now issue the same one (its description
+    comes through a signed round), it finishes everywhere, every account agrees, and the
+    group is kept; an all-reduce on it afterwards sums 1 + 2 + 3. Three groups at once, one
+    per kind: a blocking coalesced reduce-scatter, a blocking all-reduce, an asynchronous
+    all-gather never waited on."""
+    import multiprocessing as mp
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_caught_worker, args=(r, server.port, out)) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted(out.get(timeout=120) for _ in range(3))
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    six = dict.fromkeys(KINDS_CAUGHT, [6.0, 6.0, 6.0])
+    assert got == [(r, six, len(KINDS_CAUGHT)) for r in range(3)], got

@@ -50,6 +50,11 @@ def test_the_default_sim_projects_from_the_plan_with_every_assumption_listed(tmp
     printed = printed.out
     assert "[assumed]" in printed and "[measured here]" in printed
     assert "TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP (12500 ranks)" in printed
+    # what the projection takes the code to do, said as plainly as the unit costs: keeping
+    # unbroken communicators on NCCL is assumed, not built (World.keep is gloo only)
+    said = {b["name"]: b["status"] for b in result["behaviour_at_scale"]}
+    assert said["groups_kept_on_nccl"] == "assumed, not implemented"
+    assert "groups_kept_on_nccl [assumed, not implemented]" in printed
 
 
 def _laws(op_s=None):

@@ -82,6 +82,7 @@ def aggregate(world_size: int, samples: List[dict], shard_bytes: Optional[int]) 
     if any(s.get("counts") for s in samples):  # --counts: exact, so every run must agree
         out["counts"], out["counts_spare"] = samples[0]["counts"], samples[0]["counts_spare"]
         out["counts_agree"] = all(s["counts"] == samples[0]["counts"] for s in samples)
+        out["counts_busiest"] = samples[0].get("counts_busiest") or {}
         for mine, s in zip(out["samples"], samples):
             mine["counts"] = s["counts"]
     return out
@@ -136,6 +137,20 @@ def _print_run(w: int, i: int, repeats: int, rec: dict) -> None:
     wall = rec.get("wall_s")
     print(f"W={w:<3} run {i + 1}/{repeats}: total {rec['total_s']:.3f} s (end to end "
           f"{'n/a' if wall is None else f'{wall:.3f}'} s) | {ph}", flush=True)
+    if rec.get("counts_busiest"):
+        print(f"W={w:<3} run {i + 1}/{repeats}: {busiest_line(rec['counts_busiest'])}",
+              flush=True)
+
+
+def busiest_line(b: dict) -> str:
+    """Pure: the busiest survivor's rebuild against the dead ranks' own groups."""
+    c, out, most = b["counts"], b["outside_dead_groups"], b["outside_dead_groups_most"]
+    return (f"busiest survivor in {b['phase']}: rank {b['rank']}, connections "
+            f"{c.get('connections', 0)}, store ops {c.get('store_ops', 0)}; of them in the "
+            f"dead ranks' {b['dead_groups']} group(s) of {b['dead_group_members']} members: "
+            f"{c.get('dead_group_connections', 0)} and {c.get('dead_group_store_ops', 0)}; "
+            f"outside them {out['connections']} and {out['store_ops']} (most by any "
+            f"survivor: {most['connections']} and {most['store_ops']})")
 
 
 def recovery(repeats: int = 3, world_sizes: Sequence[int] = (4, 8, 16),

@@ -413,6 +413,7 @@ def _simulate_at_scale(cfg: SimConfig, measured: Dict, measured_path, log) -> Di
         "unit_costs": "gloo: fitted to the phase times of the runs up to W = "
                       f"{sim_scale.FIT_MAX_W}; at scale: units_at_scale",
         "units_at_scale": [dataclasses.asdict(u) for u in unit_list],
+        "behaviour_at_scale": [dataclasses.asdict(b) for b in sim_scale.BEHAVIOUR],
         "plans": {str(g): {"megatron_core": p.get("megatron_core"),
                            "busiest_survivor_groups": p["busiest_survivor"]["groups"],
                            "rebuilt_members_total": p["rebuilt_members_total"],

@@ -94,6 +94,9 @@ def _scale_lines(result: Dict) -> List[str]:
     for u in result["units_at_scale"]:
         lines.append(f"  {u['name']} = {u['value']:.4g} {u['unit']} [{u['status']}]: "
                      f"{u['source']}")
+    lines.append("what the code is assumed to do at scale:")
+    for b in result.get("behaviour_at_scale", []):
+        lines.append(f"  {b['name']} [{b['status']}]: {b['text']}")
     return lines
 
 

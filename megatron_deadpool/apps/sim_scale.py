@@ -116,6 +116,44 @@ def _nccl_units(a: float, b: float) -> List[Unit]:
     ]
 
 
+@dataclass(frozen=True)
+class Behaviour:
+    """What the projection assumes the code does at scale, and whether it does today."""
+
+    name: str
+    status: str    # "implemented", "measured here" or "assumed, not implemented"
+    text: str
+
+
+def _kept_on_nccl() -> Behaviour:
+    from ..recovery.world import KEEPS_GROUPS
+
+    if "nccl" in KEEPS_GROUPS:
+        return Behaviour("groups_kept_on_nccl", "implemented", "a survivor keeps every "
+                         "communicator that held no lost rank (recovery/repair.py)")
+    return Behaviour(
+        "groups_kept_on_nccl", "assumed, not implemented",
+        "a survivor keeps every communicator that held no lost rank, so only the groups of "
+        "the plan above are made again. The code keeps unbroken groups on "
+        f"{', '.join(KEEPS_GROUPS)} only (recovery/world.py KEEPS_GROUPS); on NCCL it aborts "
+        "every communicator and makes every group again: there a recovery still grows with "
+        "the job. Keeping on NCCL needs each communicator's in-flight work known (gloo_waits "
+        "tallies only gloo) and the abort limited to the broken ones")
+
+
+BEHAVIOUR = (
+    _kept_on_nccl(),
+    Behaviour("groups_caught_in_flight", "implemented (gloo)",
+              "a group no member of which died, caught with a collective in flight (a "
+              "data-parallel reduce-scatter the dead ranks' pipeline partners never "
+              "joined), is completed and kept: the members that never issued it issue the "
+              "same one (recovery/repair.py _complete, two more signed rounds, only then). "
+              "One that cannot be completed (point-to-point traffic, an undescribed "
+              "collective) is made again, W / (TP x PP) - 1 connections for each member: "
+              "left out, as its members are not the busiest survivor"),
+)
+
+
 def units(store_rate: Optional[Mapping] = None, split: Optional[Mapping] = None
           ) -> List[Unit]:
     """The unit costs at scale, each with its status and source: the one list."""

@@ -37,6 +37,17 @@
     groups_shrunk,    (NCCL's shrink: not used yet, always 0   communicators shrunk in place
     shrunk_members    on gloo)
 
+Apart (``DETAIL``, not work of their own: parts of the counts above, so the count law does
+not fit them; recovery/repair.py, a survivor's replay):
+
+    dead_groups,         the groups a survivor rebuilt because one of their members died
+    dead_group_members,  (the spare in its place), their sizes summed, their gloo
+    dead_group_connec-   connections, and the ``store_ops`` made while torch created them:
+    tions, dead_group_   what the dead ranks' own groups cost; the rest of a phase's
+    store_ops            ``connections`` and ``store_ops`` is work outside them
+    groups_completed     groups caught with collectives in flight, completed and kept
+                         (repair.py ``_complete``; also counted in groups_kept)
+
 ``PhaseTimer`` (recovery/phases.py) takes a ``snapshot`` when a phase begins and adds the
 ``delta`` to that phase when it ends, so a recovery's report carries, per phase, what this
 rank did in it.
@@ -52,13 +63,15 @@ KINDS = ("new_group_calls", "groups_created", "group_members", "connections", "s
          "rebuilt_members", "rebuilt_connections", "rebuilt_unsettled",
          "unsettled_connections", "groups_shrunk", "shrunk_members")
 
+DETAIL = ("dead_groups", "dead_group_members", "dead_group_connections", "dead_group_store_ops",
+          "groups_completed")
 _lock = threading.Lock()
-_tally: Dict[str, int] = dict.fromkeys(KINDS, 0)
+_tally: Dict[str, int] = dict.fromkeys(KINDS + DETAIL, 0)
 
 
 def add(kind: str, n: int = 1) -> None:
     if kind not in _tally:
-        raise KeyError(f"unknown count {kind!r}; one of {KINDS}")
+        raise KeyError(f"unknown count {kind!r}; one of {KINDS + DETAIL}")
     with _lock:
         _tally[kind] += n
 
@@ -70,7 +83,8 @@ def snapshot() -> Dict[str, int]:
 
 def delta(before: Mapping[str, int], after: Mapping[str, int]) -> Dict[str, int]:
     """What was counted between two snapshots (kinds that did not move left out)."""
-    return {k: after[k] - before.get(k, 0) for k in KINDS if after.get(k, 0) != before.get(k, 0)}
+    return {k: after[k] - before.get(k, 0) for k in KINDS + DETAIL
+            if after.get(k, 0) != before.get(k, 0)}
 
 
 def merge(into: Dict[str, int], more: Mapping[str, int]) -> Dict[str, int]:
@@ -88,3 +102,29 @@ def per_phase_max(reports, phases) -> Dict[str, Dict[str, int]]:
             for k, v in (rep.get(ph) or {}).items():
                 out.setdefault(ph, {})[k] = max(out.get(ph, {}).get(k, 0), v)
     return out
+
+
+def outside_dead_groups(counted: Mapping[str, int]) -> Dict[str, int]:
+    """One rank's counts in one phase -> its connections and store operations outside the
+    dead ranks' own groups (DETAIL): the work that must not grow with the world."""
+    return {k: counted.get(k, 0) - counted.get(f"dead_group_{k}", 0)
+            for k in ("connections", "store_ops")}
+
+
+def busiest(reports, phase: str = "rebuild_groups") -> Dict:
+    """Of ``reports`` (each ``{"rank", "counts": {phase: {kind: n}}}``), the rank with the
+    most connections in ``phase`` (then the most store operations): its counts there, the
+    dead ranks' groups it rebuilt (how many, their members) and what it did outside them;
+    and the most any of them did outside the dead ranks' groups. {} without counts."""
+    mine = [(r["rank"], (r.get("counts") or {}).get(phase) or {}) for r in reports]
+    mine = [(rank, c) for rank, c in mine if c]
+    if not mine:
+        return {}
+    rank, c = max(mine, key=lambda x: (x[1].get("connections", 0), x[1].get("store_ops", 0)))
+    outside = [outside_dead_groups(x) for _, x in mine]
+    return {"phase": phase, "rank": rank, "counts": dict(c),
+            "dead_groups": c.get("dead_groups", 0),
+            "dead_group_members": c.get("dead_group_members", 0),
+            "outside_dead_groups": outside_dead_groups(c),
+            "outside_dead_groups_most": {k: max(o[k] for o in outside)
+                                         for k in ("connections", "store_ops")}}

@@ -192,6 +192,10 @@ def _recovery(plan: Plan, coord, world_size: int) -> dict:
         # per phase, the most work one survivor and one promoted spare did (base/counts.py)
         "counts": counts.per_phase_max([x.get("counts") or {} for x in reports
                                         if x["rank"] not in plan.spare_of_rank], PHASE_ORDER),
+        # the busiest survivor's rebuild, and what it and the others did outside the dead
+        # ranks' own groups (issue 57: that part must not grow with the world)
+        "counts_busiest": counts.busiest([x for x in reports
+                                          if x["rank"] not in plan.spare_of_rank]),
         "counts_spare": counts.per_phase_max([x.get("counts") or {} for x in reports
                                               if x["rank"] in plan.spare_of_rank], PHASE_ORDER),
         # superseded: a further failure during this recovery moved on to a newer generation

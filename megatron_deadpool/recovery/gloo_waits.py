@@ -33,6 +33,7 @@ import _thread
 import inspect
 import queue
 import threading
+import weakref
 from typing import Dict, Optional, Set
 
 from . import group_ops
@@ -114,6 +115,8 @@ class AbortableWork:
             work = work._work
         self._work, self._box, self._epoch = work, None, _epoch
         self._ops = ops  # its group's tally (group_ops.py): done once it finished
+        if ops is not None:
+            ops.works.append(weakref.ref(self))
 
     def wait(self, timeout=None) -> bool:
         if threading.current_thread().name == WAITER:  # never queue behind oneself
@@ -147,6 +150,23 @@ class AbortableWork:
 
     def is_completed(self) -> bool:
         return self._box is not None and self._box.finished and not self._box.abandoned
+
+    def never_waited(self) -> bool:
+        return self._box is None and self._ops is not None
+
+    def wait_for(self, timeout_s: float) -> bool:
+        """(a recovery completing a group's collectives, repair.py) wait on this thread for
+        at most ``timeout_s``, never waited on before; whether it finished without error."""
+        from datetime import timedelta
+
+        try:
+            self._work.wait(timedelta(seconds=max(timeout_s, 0.001)))
+        except Exception:  # noqa: BLE001 - timed out or failed: not finished
+            return False
+        self._ops, ops = None, self._ops
+        if ops is not None:
+            ops.done()
+        return True
 
     def __getattr__(self, name):
         return getattr(self._work, name)
@@ -318,7 +338,8 @@ def _abortable(orig):
             return None if blocking else work
         if not isinstance(work, AbortableWork):  # not wrapped (and counted) further in:
             # on CPU the device mode's __torch_function__ calls this wrapper again
-            work = AbortableWork(work, group_ops.issued(arguments.get("group")))
+            work = AbortableWork(work, group_ops.issued(
+                arguments.get("group"), desc=describe(orig.__name__, arguments)))
         if not blocking:
             return work
         work.wait()
@@ -357,8 +378,10 @@ def _abortable_coalescing(orig):
         _refuse_if_fenced()
         with orig(group=group, device=device, async_ops=True) as cm:
             yield cm
+            desc = _describe_coalesced(group)  # (torch takes the block's ops as it leaves)
         cm.works[:] = [w if w is None or isinstance(w, AbortableWork)
-                       else AbortableWork(w, group_ops.issued(group)) for w in cm.works]
+                       else AbortableWork(w, group_ops.issued(group, desc=desc))
+                       for w in cm.works]
         if not async_ops:
             cm.wait()
             cm.works.clear()
@@ -370,3 +393,84 @@ def torch_device_type(device) -> str:
     import torch
 
     return torch.device(device).type
+
+
+# What a collective was, so that a member of its group that never issued it can issue the
+# same one (recovery/repair.py completes a group caught with it in flight): the function's
+# name, the output's and the input's element counts, the dtype, the reduction. Only these
+# can be issued again from a description; any other is None (its group is rebuilt).
+_OUT_IN = {"all_reduce": ("tensor", None),
+           "reduce_scatter_tensor": ("output", "input"), "_reduce_scatter_base":
+           ("output", "input"), "reduce_scatter_single": ("output", "input"),
+           "all_gather_into_tensor": ("output_tensor", "input_tensor"),
+           "_all_gather_base": ("output_tensor", "input_tensor"),
+           "all_gather_single": ("output_tensor", "input_tensor"), "barrier": (None, None)}
+
+
+def describe(name: str, arguments: dict) -> Optional[list]:
+    """``[False, [[name, out numel, in numel, dtype, reduction]]]``, or None."""
+    if name not in _OUT_IN:
+        return None
+    out_key, in_key = _OUT_IN[name]
+    out, inp = arguments.get(out_key) if out_key else None, \
+        arguments.get(in_key) if in_key else None
+    if (out_key and out is None) or (in_key and inp is None):
+        return None
+    op = arguments.get("op") if "op" in arguments else None
+    t = out if out is not None else inp
+    return [False, [[name, out.numel() if out is not None else 0,
+                     inp.numel() if inp is not None else 0,
+                     str(t.dtype) if t is not None else None, _op_name(op)]]]
+
+
+def _describe_coalesced(group) -> Optional[list]:
+    """A coalescing block's ops, as torch queued them for ``group``: ``[True, [...]]``."""
+    from torch.distributed import distributed_c10d as c10d
+
+    ops = c10d._world.pg_coalesce_state.get(group or c10d._get_default_group(), [])
+    out = []
+    for op in ops:
+        name = getattr(op.op, "__name__", "")
+        if name not in ("all_reduce", "all_gather_single", "reduce_scatter_single"):
+            return None
+        dst = getattr(op, "dst_tensor", None)
+        out.append([name, dst.numel() if dst is not None else 0, op.tensor.numel(),
+                    str(op.tensor.dtype), _op_name(getattr(op, "redop", None))])
+    return [True, out] if out else None
+
+
+def _op_name(op) -> Optional[str]:
+    return None if op is None else str(op).split(".")[-1]
+
+
+def issue_again(group, desc: list) -> list:
+    """Issue on ``group`` (a gloo group of this process) the collectives ``desc`` describes
+    (``describe``), on zeros, asynchronously, through the wrapped functions (so they are
+    tallied like the originals). Returns their works; raises on a description it cannot
+    issue."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    coalesced, ops = desc
+    calls = []
+    for name, n_out, n_in, dtype, op in ops:
+        kind = getattr(torch, str(dtype).replace("torch.", "")) if dtype else torch.float32
+        fn = getattr(c10d, name)
+        out, inp = torch.zeros(n_out, dtype=kind), torch.zeros(n_in, dtype=kind)
+        red = {} if op is None else {"op": getattr(dist.ReduceOp, op)}
+        if name == "all_reduce":  # one tensor (a coalesced one's is counted as the input)
+            out = torch.zeros(max(n_out, n_in), dtype=kind)
+            calls.append(lambda fn=fn, out=out, red=red: fn(out, group=group, async_op=True,
+                                                            **red))
+        elif name == "barrier":
+            calls.append(lambda fn=fn: fn(group=group, async_op=True))
+        else:
+            calls.append(lambda fn=fn, out=out, inp=inp, red=red:
+                         fn(out, inp, group=group, async_op=True, **red))
+    if not coalesced:
+        return [call() for call in calls]
+    with c10d._coalescing_manager(group=group, async_ops=True) as cm:
+        for call in calls:
+            call()
+    return list(cm.works)

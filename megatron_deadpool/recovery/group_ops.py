@@ -12,18 +12,27 @@ group is rebuilt. Keyed by the group's c10d name, which is unique in a process.
 
 from __future__ import annotations
 
+import collections
 import threading
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
+
+RECENT = 8  # the last collectives' descriptions kept per group (completable at most this many)
 
 
 class Ops:
-    __slots__ = ("collectives", "open", "sent", "received")
+    __slots__ = ("collectives", "open", "sent", "received", "recent", "works")
 
     def __init__(self):
         self.collectives = 0
         self.open = 0          # operations issued and not yet waited on successfully
         self.sent: Dict[int, int] = {}      # peer (global rank) -> messages
         self.received: Dict[int, int] = {}
+        # the last collectives issued, each as gloo_waits.describe made it (None: one that
+        # cannot be issued again from its description): what a member that never issued
+        # them needs to issue to complete them (repair.py, "complete")
+        self.recent: "collections.deque" = collections.deque(maxlen=RECENT)
+        self.works: "collections.deque" = collections.deque(maxlen=RECENT)  # weak refs to
+        # the last works (gloo_waits.AbortableWork): those never waited on, at a completion
 
     def done(self) -> None:
         """One operation of this group finished (its wait returned without an error)."""
@@ -44,9 +53,11 @@ def name_of(group) -> Optional[str]:
     return getattr(group, "group_name", None) if group is not None else None
 
 
-def issued(group, peer: Optional[int] = None, send: bool = False) -> Optional[Ops]:
+def issued(group, peer: Optional[int] = None, send: bool = False,
+           desc: Optional[list] = None) -> Optional[Ops]:
     """An operation was issued on ``group`` (a message to or from global rank ``peer``,
-    or a collective); returns the record whose ``done`` its successful wait calls."""
+    or a collective, ``desc`` its description); returns the record whose ``done`` its
+    successful wait calls."""
     name = name_of(group)
     if name is None:
         return None
@@ -57,6 +68,7 @@ def issued(group, peer: Optional[int] = None, send: bool = False) -> Optional[Op
         ops.open += 1
         if peer is None:
             ops.collectives += 1
+            ops.recent.append(desc)
         else:
             side = ops.sent if send else ops.received
             side[peer] = side.get(peer, 0) + 1
@@ -81,6 +93,36 @@ def digest(name: str, me: int, members: Sequence[int]) -> str:
     up, down = (sent.get(peer, 0), received.get(peer, 0)) if me < peer else \
         (received.get(peer, 0), sent.get(peer, 0))
     return f"keep:{name}:c{collectives}:p{up},{down}"
+
+
+def in_flight(name: str) -> Optional[Tuple[str, List[list]]]:
+    """A group caught with collectives in flight that a member which never issued them
+    could complete: (the account its members would agree on without them, their
+    descriptions in the order issued); None if it has none open, carried point-to-point
+    traffic, or one of them cannot be described (repair.py then rebuilds it)."""
+    with _lock:
+        ops = _ops.get(name)
+        if ops is None or not ops.open or ops.sent or ops.received \
+                or ops.open > len(ops.recent):
+            return None
+        descs = list(ops.recent)[-ops.open:]
+        if any(d is None for d in descs):
+            return None
+        return f"keep:{name}:c{ops.collectives - ops.open}", descs
+
+
+def works_of(name: str) -> list:
+    """The last works issued on group ``name`` that are still alive (any state)."""
+    with _lock:
+        ops = _ops.get(name)
+        refs = list(ops.works) if ops is not None else []
+    return [w for w in (r() for r in refs) if w is not None]
+
+
+def open_count(name: str) -> int:
+    with _lock:
+        ops = _ops.get(name)
+        return ops.open if ops is not None else 0
 
 
 def forget(name: str) -> None:

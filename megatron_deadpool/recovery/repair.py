@@ -13,7 +13,12 @@ members vote to keep it:
     every rank as when it was built);
   * every member's tally of its operations agrees (group_ops.py): the same collectives,
     none unfinished, and in a group of two the same messages each way. A group that the
-    failure caught with an operation in flight is rebuilt although its members live.
+    failure caught with collectives in flight (issued by some members, never by the
+    others, all of them alive) is completed first when it can be (issue 57, ``_complete``):
+    the members that never issued them issue the same ones, described in a signed round,
+    on zeros; once they finished everywhere and every account agrees, it is kept. Any
+    other operation in flight (point-to-point, a collective that cannot be described, more
+    than group_ops.RECENT) and a completion that does not finish in COMPLETE_S: rebuilt.
 
 The votes are one signed store round for all the groups at once (``settle``, before the
 replay; mirror/rounds.py: a tree of fan-out 4, every record sealed with the job secret,
@@ -35,7 +40,8 @@ fixed by its generation and call index (``name_next``), so that a promoted spare
 process has no history, and the survivors, whose counters moved, name it alike.
 
     abort (default group's connections) ─► retire (megatron forgets; nothing destroyed)
-    ─► rendezvous (new default group) ─► settle (one signed round: every group's verdict)
+    ─► rendezvous (new default group) ─► settle (one signed round: every group's verdict;
+    two more only when a group was caught in flight: its collectives completed, re-voted)
     ─► replay: kept | rebuilt ─► dropped groups:
     connections shut, unregistered, handed to the reaper
 """
@@ -45,7 +51,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
+import json
 import logging
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Dict, List, Optional, Set, Tuple
@@ -53,7 +61,7 @@ from typing import Dict, List, Optional, Set, Tuple
 from ..base import counts
 from ..base.errors import ForgedRecordError
 from . import abort as ab
-from . import group_ops
+from . import gloo_waits, group_ops
 
 NAME_SPAN = 100_000        # c10d names of generation g's groups: g * NAME_SPAN + index
 DEFAULT_AT = NAME_SPAN - 1  # the default group's index
@@ -90,6 +98,9 @@ def topic(key: "Key") -> str:
 
 
 NO = 1 << 20  # a member's "no", added to its group's arrivals
+PEND = NO * NO  # a member's "I issued collectives on it that are still in flight"
+PENDING = "in-flight"  # the round's counter of such groups, every member's summed
+COMPLETE_S = 2.0  # how long a member waits for the collectives it completes to finish
 
 
 def account_hash(account: str) -> int:
@@ -114,28 +125,85 @@ class Replay:
     def settle(self) -> None:
         """Every old group's verdict in one signed round (module docstring). Every rank of
         the generation takes part, a promoted spare too (it holds no old group: it adds
-        nothing). A forged record: every group is rebuilt, on every member alike."""
+        nothing). A forged record: every group is rebuilt, on every member alike. A group
+        caught with collectives in flight that the members which never issued them can
+        issue is completed first (``_complete``: two more rounds, only then)."""
         if self.rounds is None:
             return
-        adds, mine = {}, {}
+        adds, mine, flying = {}, {}, {}
         for key, old in self.old.groups.items():
             members, backend, _ = key
             if set(members) & self.failed or backend not in ("", "gloo"):
                 continue
             same = all(self.old.lids.get(r) == self.lids.get(r) for r in members)
             account = group_ops.digest(old.group_name, self.me, members) if same else "new"
+            caught = group_ops.in_flight(old.group_name) if same else None
+            if caught is not None:  # agreed on without them; they are completed below
+                account, flying[key] = caught
             h, t = account_hash(account), topic(key)
-            adds.update({f"{t}/n": 1 + (0 if account.startswith("keep") else NO),
-                         f"{t}/s": h})
+            adds.update({f"{t}/n": 1 + (PEND if caught else 0 if account.startswith("keep")
+                                        else NO), f"{t}/s": h})
             mine[key] = h
+        if flying:
+            adds[PENDING] = len(flying)
         try:
-            _, n = self.rounds.round(adds=adds, read_counts=sorted(adds), what="keep")
+            _, n = self.rounds.round(adds=adds, read_counts=sorted(set(adds) | {PENDING}),
+                                     what="keep")
         except ForgedRecordError as exc:
             log.warning("%s: every group is rebuilt", exc)
             return
+        completing = {}
         for key, h in mine.items():
             size, t = len(key[0]), topic(key)
-            self.verdicts[key] = n[f"{t}/n"] == size and n[f"{t}/s"] == size * h
+            arrived = n[f"{t}/n"]
+            agree = arrived % NO == size and arrived // NO % NO == 0 and \
+                n[f"{t}/s"] == size * h
+            self.verdicts[key] = agree and arrived < PEND
+            if agree and arrived >= PEND:
+                completing[key] = arrived // PEND  # the members that issued them
+        if n[PENDING]:  # every rank reads the same total: all take part, or none
+            self._complete(completing, flying)
+
+    def _complete(self, completing: Dict[Key, int], flying: Dict[Key, list]) -> None:
+        """The groups whose members agree but for collectives some of them issued and the
+        others never did (the failure caught them in flight: a data-parallel reduce-scatter
+        that the dead ranks' pipeline partners never joined). Round "keep-ops": the members
+        that issued them post their descriptions; the others read them and issue the same
+        on zeros (gloo_waits.issue_again), so that they finish everywhere; each member waits
+        for them at most COMPLETE_S. Round "keep-done": every member's account again; the
+        group is kept iff they all agree, else rebuilt as before. The results are never
+        read: the iteration they belonged to is done again from the restored state."""
+        posts = {f"{topic(k)}/d": flying[k] for k in completing if k in flying}
+        reads = [f"{topic(k)}/d" for k in completing if k not in flying]
+        try:
+            got, _ = self.rounds.round(posts=posts, read_posts=reads, what="keep-ops")
+        except ForgedRecordError as exc:
+            log.warning("%s: the groups caught in flight are rebuilt", exc)
+            return
+        deadline, works = time.monotonic() + COMPLETE_S, {}
+        for key in completing:
+            if key not in flying:
+                works[key] = _issue(self.old.groups[key], got.get(f"{topic(key)}/d", []),
+                                    completing[key])
+        adds, mine = {}, {}
+        for key in completing:
+            old = self.old.groups[key]
+            ok = _finished(old, works.get(key), key in flying, deadline)
+            account = group_ops.digest(old.group_name, self.me, key[0]) if ok else "unfinished"
+            h, t = account_hash(account), topic(key)
+            adds.update({f"{t}/m": 1 + (0 if account.startswith("keep") else NO),
+                         f"{t}/z": h})
+            mine[key] = h
+        try:
+            _, n = self.rounds.round(adds=adds, read_counts=sorted(adds), what="keep-done")
+        except ForgedRecordError as exc:
+            log.warning("%s: the groups caught in flight are rebuilt", exc)
+            return
+        for key, h in mine.items():
+            size, t = len(key[0]), topic(key)
+            self.verdicts[key] = n[f"{t}/m"] == size and n[f"{t}/z"] == size * h
+            if self.verdicts[key]:
+                counts.add("groups_completed")
 
     def call(self, original, arguments: dict, args, kwargs):
         import torch.distributed as dist
@@ -159,12 +227,15 @@ class Replay:
             counts.add("kept_members", len(members))
             return old
         name_next(self.gen, index)
-        before = set(ab.socket_inodes())
+        before, ops_before = set(ab.socket_inodes()), counts.snapshot()["store_ops"]
         group = original(*args, **kwargs)
         self.new.groups[key] = group
         self.new.sockets[id(group)] = set(ab.socket_inodes()) - before
         if self.old.groups:  # a survivor's rebuild, not a first build
-            _count_rebuilt(len(members), unsettled=not (set(members) & self.failed))
+            dead = bool(set(members) & self.failed)
+            _count_rebuilt(len(members), unsettled=not dead)
+            if dead:  # the dead ranks' own group: apart, so the rest is what is not
+                _count_dead(len(members), counts.snapshot()["store_ops"] - ops_before)
         return group
 
     def dropped(self) -> List[object]:
@@ -187,6 +258,51 @@ def _count_rebuilt(size: int, unsettled: bool, lazy: bool = False) -> None:
     if unsettled:  # no member failed: an operation was in flight on it
         counts.add("rebuilt_unsettled")
         counts.add("unsettled_connections", links)
+
+
+def _issue(group, posted: List[Tuple[int, object]], issuers: int) -> Optional[list]:
+    """(a member that never issued them) the collectives that the ``issuers`` members which
+    did posted, issued on ``group``; None if the posts are not all there and all alike, or
+    cannot be issued (the group is then not completed: rebuilt)."""
+    descs = {json.dumps(v) for _, v in posted}
+    if len(posted) != issuers or len(descs) != 1:
+        log.warning("group %s: %d of %d descriptions of its collectives in flight, %d "
+                    "different: rebuilt", getattr(group, "group_name", "?"), len(posted),
+                    issuers, len(descs))
+        return None
+    try:
+        return [w for d in json.loads(descs.pop()) for w in gloo_waits.issue_again(group, d)]
+    except Exception as exc:  # noqa: BLE001 - any failure here means: rebuild it
+        log.warning("group %s: its collectives in flight not issued again (%s): rebuilt",
+                    getattr(group, "group_name", "?"), exc)
+        return None
+
+
+def _finished(group, works: Optional[list], issued_before: bool, deadline: float) -> bool:
+    """Whether the collectives in flight on ``group`` finished here by ``deadline``: a
+    member that issued them before the failure waits for its tally to show none open (its
+    abandoned waits' waiter threads close them as gloo finishes); one that issued them now
+    waits for its own works."""
+    if not issued_before:
+        return works is not None and all(
+            w.wait_for(deadline - time.monotonic()) for w in works if w is not None)
+    for w in group_ops.works_of(group.group_name):  # issued asynchronously, and the
+        if w.never_waited():                        # failure came before their wait
+            w.wait_for(deadline - time.monotonic())
+    while group_ops.open_count(group.group_name):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def _count_dead(size: int, store_ops: int) -> None:
+    """A group rebuilt because a member of it died (counts.DETAIL): its size, its gloo
+    connections, and the store operations torch's creation of it made."""
+    counts.add("dead_groups")
+    counts.add("dead_group_members", size)
+    counts.add("dead_group_connections", size - 1)
+    counts.add("dead_group_store_ops", store_ops)
 
 
 @contextlib.contextmanager

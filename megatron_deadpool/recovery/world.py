@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 # or 3 set by the user is overridden, with a warning. (TORCH_NCCL_ENABLE_MONITORING's heartbeat
 # monitor still ends a process whose watchdog itself hangs for TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC.)
 NCCL_ASYNC_ERROR_HANDLING = "2"
+# the backends on which a recovery keeps the groups a failure did not break (repair.py):
+# gloo only; on NCCL every communicator is aborted and every group made again (what keeping
+# needs there: each communicator's in-flight work known, the abort limited to the broken)
+KEEPS_GROUPS = ("gloo",)
 _NCCL_ERROR_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
 
 
@@ -101,7 +105,7 @@ class World:
         self.on_abort: Callable[[], None] = _nothing
         # a gloo world keeps the groups a failure did not break (repair.py); with
         # keep_groups False (--deadpool-rebuild-all-groups) every group is made again
-        self.keep = backend == "gloo" and keep_groups
+        self.keep = backend in KEEPS_GROUPS and keep_groups
         # --deadpool-grad-stats staged: megatron's grad-stats group of every rank is never
         # made (adapters/groups.py), at the first build or at any rebuild
         self.staged_grad_stats = staged_grad_stats
