@@ -169,6 +169,10 @@ def units(store_rate: Optional[Mapping] = None, split: Optional[Mapping] = None
              "the mirror's tree (mirror/rounds.py) for every group at once, at most "
              "MAX_OPS_PER_ROUND store operations per rank (before issue 58: 4 or 5 per "
              "member of every unbroken group)"),
+        Unit("keep_rounds", 3.0, "rounds", "counted in the code", "the signed rounds of a "
+             "recovery's keep votes: one, and two more when a group was caught with a "
+             "collective in flight (recovery/repair.py settle, _complete: its descriptions, "
+             "then the votes again), taken always (the upper end)"),
         Unit("restore_job_store_ops", split["restore_state"]["store_ops"], "operations",
              "measured here", "the restore's operations on the job's one store per rank (the "
              f"round records are on the node stores): {where}"),
@@ -407,7 +411,8 @@ class ScaleLaw:
                     "rebuilt groups reads every root's)": unique_id_bytes(
                         [g["size"] for g in groups], u) / u["store_server_bytes_s"],
                     "record stores (keep votes: the busiest node's)": per_node
-                    * u["store_ops_per_keep_round"] * u["store_server_op_s"],
+                    * u["keep_rounds"] * u["store_ops_per_keep_round"]
+                    * u["store_server_op_s"],
                     "record stores (keep votes: the round's bytes at the root's node)": 2
                     * kept * top_share(w, self.plans[w]["gpus_per_node"])
                     * u["keep_round_bytes_per_group"] / u["store_server_bytes_s"],
