@@ -61,6 +61,21 @@ def test_a_projection_grows_only_where_a_count_grows():
     assert laws["abort"](100000) == pytest.approx(CONST["abort"], rel=0.02)
 
 
+def test_the_dead_ranks_groups_counted_apart_are_parts_not_costs():
+    """counts.DETAIL (the dead ranks' own groups, groups completed) repeats work counted in
+    the kinds: a file that carries them gives the same law, and no unit cost for them (a
+    measured file of 7659ff2 made `deadpool sim --measured` fail with a KeyError)."""
+    plain = [_run(w) for w in (4, 8, 16)]
+    detailed = [_run(w) for w in (4, 8, 16)]
+    for r in detailed:
+        r["counts"]["rebuild_groups"].update(dead_groups=3, dead_group_connections=12,
+                                             dead_group_store_ops=4 * r["world_size"])
+    a, b = sim_counts.phase_laws(plain), sim_counts.phase_laws(detailed)
+    assert set(b["rebuild_groups"].to_json()["unit_s"]) == \
+        set(a["rebuild_groups"].to_json()["unit_s"])
+    assert b["rebuild_groups"](100000) == a["rebuild_groups"](100000)
+
+
 def test_fit_units_refuses_runs_without_counts():
     r = _run(4)
     r["counts"] = None

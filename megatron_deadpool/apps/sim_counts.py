@@ -163,7 +163,8 @@ def count_laws(runs: Sequence[Mapping]) -> Dict[str, Dict[str, scaling.Law]]:
 def phase_laws(runs: Sequence[Mapping], measured: Optional[Mapping[str, float]] = None
                ) -> Dict[str, CountLaw]:
     units = fit_units(runs, measured)
-    return {ph: CountLaw(ph, units, laws) for ph, laws in count_laws(runs).items()}
+    return {ph: CountLaw(ph, units, {k: law for k, law in laws.items() if k in KINDS})
+            for ph, laws in count_laws(runs).items()}  # (counts.DETAIL: parts, no cost)
 
 
 def validate(runs: Sequence[Mapping], within: float,
