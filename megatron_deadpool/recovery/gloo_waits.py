@@ -33,7 +33,6 @@ import _thread
 import inspect
 import queue
 import threading
-import weakref
 from typing import Dict, Optional, Set
 
 from . import group_ops
@@ -116,11 +115,12 @@ class AbortableWork:
         self._work, self._box, self._epoch = work, None, _epoch
         self._ops = ops  # its group's tally (group_ops.py): done once it finished
         if ops is not None:
-            ops.works.append(weakref.ref(self))
+            ops.works.append(self)
 
     def wait(self, timeout=None) -> bool:
         if threading.current_thread().name == WAITER:  # never queue behind oneself
             self._work.wait()
+            group_ops.waited(self._ops, self)
             self._ops, ops = None, self._ops
             if ops is not None:
                 ops.done()
@@ -134,6 +134,7 @@ class AbortableWork:
                 if waiter is None:
                     waiter = _waiters[me] = _Waiter()
                 box = self._box = _Box(self._work, waiter, self._ops)
+                group_ops.waited(self._ops, self)
                 self._ops = None  # the waiter accounts for it
                 _pending.add(box)
                 waiter.q.put(box)
@@ -163,6 +164,7 @@ class AbortableWork:
             self._work.wait(timedelta(seconds=max(timeout_s, 0.001)))
         except Exception:  # noqa: BLE001 - timed out or failed: not finished
             return False
+        group_ops.waited(self._ops, self)
         self._ops, ops = None, self._ops
         if ops is not None:
             ops.done()

@@ -31,8 +31,10 @@ class Ops:
         # cannot be issued again from its description): what a member that never issued
         # them needs to issue to complete them (repair.py, "complete")
         self.recent: "collections.deque" = collections.deque(maxlen=RECENT)
-        self.works: "collections.deque" = collections.deque(maxlen=RECENT)  # weak refs to
-        # the last works (gloo_waits.AbortableWork): those never waited on, at a completion
+        # the last works not waited on yet (gloo_waits.AbortableWork; dropped from here when
+        # waited on): a completion waits on them itself, their owner may have let them go
+        # (a recovery resets megatron's bucket handles)
+        self.works: "collections.deque" = collections.deque(maxlen=RECENT)
 
     def done(self) -> None:
         """One operation of this group finished (its wait returned without an error)."""
@@ -112,11 +114,21 @@ def in_flight(name: str) -> Optional[Tuple[str, List[list]]]:
 
 
 def works_of(name: str) -> list:
-    """The last works issued on group ``name`` that are still alive (any state)."""
+    """The last works issued on group ``name`` and not waited on yet."""
     with _lock:
         ops = _ops.get(name)
-        refs = list(ops.works) if ops is not None else []
-    return [w for w in (r() for r in refs) if w is not None]
+        return list(ops.works) if ops is not None else []
+
+
+def waited(ops: Optional[Ops], work) -> None:
+    """``work`` of ``ops``' group is being waited on: no longer held here."""
+    if ops is None:
+        return
+    with _lock:
+        try:
+            ops.works.remove(work)
+        except ValueError:
+            pass
 
 
 def open_count(name: str) -> int:
