@@ -77,6 +77,11 @@ def issued(group, peer: Optional[int] = None, send: bool = False,
     return ops
 
 
+def kept_account(name: str, collectives: int) -> str:
+    """The account of a group whose members may keep it: its name and collectives."""
+    return f"keep:{name}:c{collectives}"
+
+
 def digest(name: str, me: int, members: Sequence[int]) -> str:
     """This member's account of group ``name``: equal on every member of a group that may
     be kept, "keep:..." then; anything else means rebuild. Point-to-point traffic is
@@ -88,13 +93,13 @@ def digest(name: str, me: int, members: Sequence[int]) -> str:
             return f"open:{ops.open}"
         collectives, sent, received = ops.collectives, dict(ops.sent), dict(ops.received)
     if not sent and not received:
-        return f"keep:{name}:c{collectives}"
+        return kept_account(name, collectives)
     if len(members) != 2:
         return "p2p"
     peer = members[0] if members[1] == me else members[1]
     up, down = (sent.get(peer, 0), received.get(peer, 0)) if me < peer else \
         (received.get(peer, 0), sent.get(peer, 0))
-    return f"keep:{name}:c{collectives}:p{up},{down}"
+    return f"{kept_account(name, collectives)}:p{up},{down}"
 
 
 def in_flight(name: str) -> Optional[Tuple[str, List[list]]]:
@@ -110,7 +115,7 @@ def in_flight(name: str) -> Optional[Tuple[str, List[list]]]:
         descs = list(ops.recent)[-ops.open:]
         if any(d is None for d in descs):
             return None
-        return f"keep:{name}:c{ops.collectives - ops.open}", descs
+        return kept_account(name, ops.collectives - ops.open), descs
 
 
 def works_of(name: str) -> list:
