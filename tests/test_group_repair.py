@@ -14,6 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron_deadpool.adapters import groups
+from megatron_deadpool.apps import sim_scale
 from megatron_deadpool.base import counts
 from megatron_deadpool.base.plan import Plan
 from megatron_deadpool.recovery import group_ops, repair
@@ -350,7 +351,8 @@ def _caught_worker(rank: int, port: int, out) -> None:
         if replay.verdicts.get(key, False):
             dist.all_reduce(y, group=groups[kind])
         got[kind] = y.tolist()
-    out.put((rank, got, counts.delta(before, counts.snapshot()).get("groups_completed", 0)))
+    out.put((rank, got, counts.delta(before, counts.snapshot()).get("groups_completed", 0),
+             rounds._round))
     client.set(f"done{rank}", "1")
     client.wait([f"done{r}" for r in range(3)], timedelta(seconds=30))
 
@@ -380,4 +382,6 @@ def test_groups_caught_with_a_collective_in_flight_are_completed_and_kept():
             if p.is_alive():
                 p.kill()
     six = dict.fromkeys(KINDS_CAUGHT, [6.0, 6.0, 6.0])
-    assert got == [(r, six, len(KINDS_CAUGHT)) for r in range(3)], got
+    # the signed rounds it took: what deadpool sim's keep votes term counts
+    rounds_taken = next(u.value for u in sim_scale.units() if u.name == "keep_rounds")
+    assert got == [(r, six, len(KINDS_CAUGHT), rounds_taken) for r in range(3)], got

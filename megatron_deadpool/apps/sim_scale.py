@@ -169,10 +169,10 @@ def units(store_rate: Optional[Mapping] = None, split: Optional[Mapping] = None
              "the mirror's tree (mirror/rounds.py) for every group at once, at most "
              "MAX_OPS_PER_ROUND store operations per rank (before issue 58: 4 or 5 per "
              "member of every unbroken group)"),
-        Unit("keep_rounds", 3.0, "rounds", "counted in the code", "the signed rounds of a "
-             "recovery's keep votes: one, and two more when a group was caught with a "
-             "collective in flight (recovery/repair.py settle, _complete: its descriptions, "
-             "then the votes again), taken always (the upper end)"),
+        Unit("keep_rounds", 2.0, "rounds", "counted in the code", "the signed rounds of a "
+             "recovery's keep votes: one (it carries the descriptions of collectives caught "
+             "in flight), and one more when a group was caught so (recovery/repair.py settle, "
+             "_complete: the votes again), taken always (the upper end)"),
         Unit("restore_job_store_ops", split["restore_state"]["store_ops"], "operations",
              "measured here", "the restore's operations on the job's one store per rank (the "
              f"round records are on the node stores): {where}"),

@@ -15,8 +15,8 @@ members vote to keep it:
     none unfinished, and in a group of two the same messages each way. A group that the
     failure caught with collectives in flight (issued by some members, never by the
     others, all of them alive) is completed first when it can be (issue 57, ``_complete``):
-    the members that never issued them issue the same ones, described in a signed round,
-    on zeros; once they finished everywhere and every account agrees, it is kept. Any
+    the members that never issued them issue the same ones on zeros, described by their
+    issuers in the votes' round; once they finished everywhere and every account agrees, it is kept. Any
     other operation in flight (point-to-point, a collective that cannot be described, more
     than group_ops.RECENT) and a completion that does not finish in COMPLETE_S: rebuilt.
 
@@ -41,7 +41,8 @@ process has no history, and the survivors, whose counters moved, name it alike.
 
     abort (default group's connections) ─► retire (megatron forgets; nothing destroyed)
     ─► rendezvous (new default group) ─► settle (one signed round: every group's verdict;
-    two more only when a group was caught in flight: its collectives completed, re-voted)
+    which carries the descriptions of collectives caught in flight; one more only when a
+    group was caught so: its collectives completed, re-voted)
     ─► replay: kept | rebuilt ─► dropped groups:
     connections shut, unregistered, handed to the reaper
 """
@@ -127,10 +128,11 @@ class Replay:
         the generation takes part, a promoted spare too (it holds no old group: it adds
         nothing). A forged record: every group is rebuilt, on every member alike. A group
         caught with collectives in flight that the members which never issued them can
-        issue is completed first (``_complete``: two more rounds, only then)."""
+        issue is completed first: its issuers post the descriptions in this round, and
+        ``_complete`` takes one more round, only then."""
         if self.rounds is None:
             return
-        adds, mine, flying = {}, {}, {}
+        adds, mine, flying, posts = {}, {}, {}, {}
         for key, old in self.old.groups.items():
             members, backend, _ = key
             if set(members) & self.failed or backend not in ("", "gloo"):
@@ -139,17 +141,20 @@ class Replay:
             same = all(self.old.lids.get(r) == self.lids.get(r) for r in members)
             account = group_ops.digest(old.group_name, self.me, members) if same else "new"
             caught = group_ops.in_flight(old.group_name) if same else None
+            t = topic(key)
             if caught is not None:  # agreed on without them; they are completed below
                 account, flying[key] = caught
-            h, t = account_hash(account), topic(key)
+                posts[f"{t}/d"] = flying[key]
+            h = account_hash(account)
             adds.update({f"{t}/n": 1 + (PEND if caught else 0 if account.startswith("keep")
                                         else NO), f"{t}/s": h})
             mine[key] = h
         if flying:
             adds[PENDING] = len(flying)
         try:
-            _, n = self.rounds.round(adds=adds, read_counts=sorted(set(adds) | {PENDING}),
-                                     what="keep")
+            got, n = self.rounds.round(
+                posts=posts, adds=adds, read_posts=[f"{topic(k)}/d" for k in mine],
+                read_counts=sorted(set(adds) | {PENDING}), what="keep")
         except ForgedRecordError as exc:
             log.warning("%s: every group is rebuilt", exc)
             return
@@ -163,24 +168,18 @@ class Replay:
             if agree and arrived >= PEND:
                 completing[key] = arrived // PEND  # the members that issued them
         if n[PENDING]:  # every rank reads the same total: all take part, or none
-            self._complete(completing, flying)
+            self._complete(completing, flying, got)
 
-    def _complete(self, completing: Dict[Key, int], flying: Dict[Key, list]) -> None:
+    def _complete(self, completing: Dict[Key, int], flying: Dict[Key, list],
+                  got: Dict[str, list]) -> None:
         """The groups whose members agree but for collectives some of them issued and the
         others never did (the failure caught them in flight: a data-parallel reduce-scatter
-        that the dead ranks' pipeline partners never joined). Round "keep-ops": the members
-        that issued them post their descriptions; the others read them and issue the same
-        on zeros (gloo_waits.issue_again), so that they finish everywhere; each member waits
+        that the dead ranks' pipeline partners never joined). The members that issued them
+        posted their descriptions in round "keep" (``got``); the others issue the same on
+        zeros (gloo_waits.issue_again), so that they finish everywhere; each member waits
         for them at most COMPLETE_S. Round "keep-done": every member's account again; the
         group is kept iff they all agree, else rebuilt as before. The results are never
         read: the iteration they belonged to is done again from the restored state."""
-        posts = {f"{topic(k)}/d": flying[k] for k in completing if k in flying}
-        reads = [f"{topic(k)}/d" for k in completing if k not in flying]
-        try:
-            got, _ = self.rounds.round(posts=posts, read_posts=reads, what="keep-ops")
-        except ForgedRecordError as exc:
-            log.warning("%s: the groups caught in flight are rebuilt", exc)
-            return
         deadline, works = time.monotonic() + COMPLETE_S, {}
         for key in completing:
             if key not in flying:
