@@ -14,7 +14,7 @@ from megatron_deadpool.apps import sim, sim_measured, sim_scale
 from megatron_deadpool.apps.cli import main
 
 REPO = sim_scale.DATA.parents[1]
-MEASURED = sim_scale.DATA / "bench_recovery_counts_57.json"
+MEASURED = sim_scale.MEASURED_FILE
 
 
 def test_the_default_sim_projects_from_the_plan_with_every_assumption_listed(tmp_path, capsys):

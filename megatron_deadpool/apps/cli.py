@@ -318,9 +318,10 @@ def _run_sim(args) -> int:
         kw["model_params"] = float(planning.total_params(
             json.loads(_preset_path(args.preset).read_text())["model"]))
     cfg = sim.SimConfig(**kw)
-    measured = args.measured or str(Path(__file__).resolve().parents[2] / "docs" / "data" / (
-        "bench_recovery.json" if args.law == "fit" or args.peers else
-        "bench_recovery_counts_57.json"))
+    from .sim_scale import DATA, MEASURED_FILE
+
+    measured = args.measured or str(DATA / "bench_recovery.json" if args.law == "fit"
+                                    or args.peers else MEASURED_FILE)
     law = args.law or sim.default_law(measured)
     if args.peers:
         from . import sim_peers

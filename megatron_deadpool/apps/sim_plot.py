@@ -8,6 +8,7 @@ import math
 from typing import Dict, List
 
 from . import sim, sim_measured
+from .sim_scale import MEASURED_FILE
 from ..base.config import GradStats, values
 from ..base.errors import DeadpoolError
 
@@ -219,7 +220,7 @@ def add_arguments(sp) -> None:
         sp.add_argument(flag, type=float, default=default, help=f"{what} (default {default})")
     sp.add_argument("--measured", default=None, metavar="R.json",
                     help="bench recovery --json output (default: docs/data/"
-                    "bench_recovery_counts_57.json with --law scale, counts or auto; "
+                    f"{MEASURED_FILE.name} with --law scale, counts or auto; "
                     "docs/data/bench_recovery.json with --law fit)")
     sp.add_argument("--law", choices=sim.LAWS, default=None,
                     help="each recovery phase against W: 'scale' (the default where the "

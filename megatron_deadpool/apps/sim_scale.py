@@ -63,6 +63,8 @@ STORE_RATE_FILE = DATA / "store_rate.json"
 # the runs with the round records on the node record stores: which store each operation hit
 SPLIT_FILE = DATA / "bench_recovery_counts_plan_addresses.json"
 FIT_MAX_W = 32   # the count law is fitted and validated on the runs up to this W
+# deadpool sim's measured runs by default (bench recovery --counts at W = 8 to 64)
+MEASURED_FILE = DATA / "bench_recovery_counts_253495f.json"
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,7 @@ BEHAVIOUR = (
               "a group no member of which died, caught with a collective in flight (a "
               "data-parallel reduce-scatter the dead ranks' pipeline partners never "
               "joined), is completed and kept: the members that never issued it issue the "
-              "same one (recovery/repair.py _complete, two more signed rounds, only then). "
+              "same one (recovery/repair.py _complete: its description in the votes' round, and one more round, only then). "
               "One that cannot be completed (point-to-point traffic, an undescribed "
               "collective) is made again, W / (TP x PP) - 1 connections for each member: "
               "left out, as its members are not the busiest survivor"),
