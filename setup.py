@@ -69,7 +69,7 @@ setup(
         # filesystem_async worker processes).
         "megatron-lm": ["six", "regex", "pyyaml", "einops", "tqdm", "pydantic", "pybind11",
                         "triton", "psutil"],
-        # apex is a source install: see README "GPU extras".
+        # apex is a source install: see docs/usage.md "GPU extras".
         "gpu": ["transformer-engine[pytorch]"],
     },
     entry_points={"console_scripts": ["deadpool=megatron_deadpool.apps.cli:main"]},

@@ -32,13 +32,17 @@ def add_kind(dest: Path) -> Path:
     returns the folder to put on PYTHONPATH."""
     shutil.copytree(PKG, dest / "megatron_deadpool",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    path = dest / "megatron_deadpool" / "base" / "faults.py"
+    edit_faults(dest / "megatron_deadpool" / "base" / "faults.py")
+    return dest
+
+
+def edit_faults(path: Path) -> None:
+    """The edit of (c): a ``Kind`` member and a ``FaultKind`` entry in base/faults.py."""
     src = path.read_text()
     members_end = src.index("\n\n\n", src.index("class Kind(ValueEnum):")) + 1
     src = src[:members_end] + MEMBER + src[members_end:]
     kinds_end = src.index("\n)}\n", src.index("KINDS: Dict[Kind, FaultKind]")) + 1
     path.write_text(src[:kinds_end] + ENTRY + src[kinds_end:])
-    return dest
 
 
 def _changed(a: Path, b: Path) -> list:
@@ -121,6 +125,30 @@ def test_a_new_fault_kind_is_one_entry(tmp_path):
     p = subprocess.run([sys.executable, "-m", "megatron_deadpool.apps.cli", "launch", "--help"],
                        cwd=tmp_path, env=_env(root), capture_output=True, text=True, timeout=60)
     assert HELP in " ".join(p.stdout.split())
+
+
+def test_the_change_passes_the_tests_it_could_break_once_the_list_is_pasted(tmp_path):
+    """(c) as docs/architecture.md gives it, in a copy of the repository: after the edit of
+    base/faults.py the copy's tests/test_inject.py fails and prints the list of kinds; with
+    that list pasted into the copy's docs/usage.md (the second file), the tests the change
+    could break pass there."""
+    from test_common_changes import copy_repo, run_tests
+
+    root = copy_repo(tmp_path)
+    edit_faults(root / "megatron_deadpool" / "base" / "faults.py")
+    failed = run_tests(root, ["test_inject.py"])
+    assert failed.returncode != 0 and "put faults.kinds_doc() there" in failed.stdout, \
+        failed.stdout[-3000:]
+    doc = subprocess.run([sys.executable, "-c", "from megatron_deadpool.base.faults import "
+                          "kinds_doc; print(kinds_doc())"], cwd=root, env=_env(root),
+                         capture_output=True, text=True, timeout=60).stdout.rstrip("\n")
+    usage = root / "docs" / "usage.md"
+    text = usage.read_text()
+    start = text.index("  The kinds:\n") + len("  The kinds:\n")
+    usage.write_text(text[:start] + doc + text[text.index("\n\n", start):])
+    assert "`sigstop_then_kill`" in doc
+    passed = run_tests(root, ["test_inject.py", "test_structure.py"])
+    assert passed.returncode == 0, passed.stdout[-5000:] + passed.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -28,8 +28,8 @@ class VerifyGroups(Step):
 
     phase = Phase.VERIFY_GROUPS
 
-    def __call__(self, a: Attempt) -> Attempt:
-        return a
+    def __call__(self, attempt: Attempt) -> Attempt:
+        return attempt
 
 
 '''
@@ -83,6 +83,27 @@ def run_in(copy: Path, code: str, *args: str, timeout: int = 300) -> subprocess.
 def test_the_change_is_two_files(copy):
     assert changed_files(REPO / "megatron_deadpool", copy / "megatron_deadpool") == [
         "base/vocabulary.py", "control/steps.py"]
+
+
+# (d)'s part of the fast suite: every test that reads the phases
+PHASE_TESTS = ("test_sequencer.py", "test_sim.py", "test_sim_counts.py", "test_report.py",
+               "test_progress.py", "test_structure.py")
+
+
+def test_the_tests_the_change_could_break_pass_on_the_copy(tmp_path):
+    """(d) in a copy of the repository, the two files changed and nothing else: the copy's
+    own tests that read the phases pass there (before issue 60, two of them listed today's
+    phases by hand and failed)."""
+    from test_common_changes import copy_repo, run_tests
+
+    root = copy_repo(tmp_path)
+    for rel, old, new in CHANGE:
+        f = root / "megatron_deadpool" / rel
+        f.write_text(f.read_text().replace(old, new))
+    assert changed_files(REPO / "megatron_deadpool", root / "megatron_deadpool") == [
+        "base/vocabulary.py", "control/steps.py"]
+    done = run_tests(root, PHASE_TESTS)
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("changed", [False, True], ids=["package", "copy"])

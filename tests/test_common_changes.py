@@ -17,14 +17,23 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 
 
-def _copy(tmp_path: Path) -> Path:
-    """A copy of the package and of docs/architecture.md (what the structure checks read)."""
+def copy_repo(tmp_path: Path) -> Path:
+    """A copy of the package, its tests and the docs the tests read, as a clone has them."""
     root = tmp_path / "copy"
-    shutil.copytree(REPO / "megatron_deadpool", root / "megatron_deadpool",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    (root / "docs").mkdir(parents=True)
-    shutil.copy(REPO / "docs" / "architecture.md", root / "docs" / "architecture.md")
+    for folder in ("megatron_deadpool", "tests", "docs"):
+        shutil.copytree(REPO / folder, root / folder,
+                        ignore=shutil.ignore_patterns("__pycache__", "img", "data"))
+    shutil.copytree(REPO / "docs" / "data", root / "docs" / "data")
     return root
+
+
+def run_tests(root: Path, files, select: str = "", timeout: int = 900
+              ) -> subprocess.CompletedProcess:
+    """The copy's own tests ``files`` (the part of the fast suite a change could break; of
+    them ``select``, a ``-k`` expression, if given), on the copy's package."""
+    return _run(root, ["-m", "pytest", "-v", "-x", "-p", "no:cacheprovider", "-m", "not slow",
+                       *(["-k", select] if select else []),
+                       *[str(root / "tests" / f) for f in files]], timeout)
 
 
 def _run(root: Path, args, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -39,38 +48,66 @@ def _run(root: Path, args, timeout: int = 300) -> subprocess.CompletedProcess:
 # (b) a store-backed mirror transport: the backend module and one registry entry
 
 KV_BACKEND = '''\
-"""A toy transport: every message is one key of the generation's store."""
+\"\"\"A store-backed transport: every message is one key of the generation's store, sealed
+with the job's secret (mirror/transport_api.py, the contract).\"\"\"
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from datetime import timedelta
 
 import torch
 
+from ..base.errors import MirrorError, TransportTimeout
 from .transport_api import MirrorTransport, count_messages
+
+TAG = 32  # bytes of the HMAC-SHA256 in front of every message
 
 
 class KvTransport(MirrorTransport):
+    \"\"\"Messages as store keys: ``kv/<gen>/<src>-<dst>/<n>``, each value the tag of (job,
+    generation, sender, receiver, n, payload) followed by the payload.\"\"\"
+
     kind = "kv"
 
-    def __init__(self, store, rank: int, world_size: int, collectives, timeout_s: float):
+    def __init__(self, store, rank: int, world_size: int, collectives, secret: str, gen: int,
+                 timeout_s: float):
+        if not secret:
+            raise MirrorError("the kv mirror transport needs the job secret")
         self.store, self.rank, self.world_size = store, rank, world_size
-        self.collectives, self.timeout_s = collectives, timeout_s
-        self._seq = {}  # (direction, peer) -> messages so far
+        self.collectives, self.gen, self.timeout_s = collectives, gen, timeout_s
+        self._key = hashlib.sha256(f"kv-transport:{secret}".encode()).digest()
+        self._seq = {}  # (way, src, dst) -> the last message's number
 
-    def _key(self, src: int, dst: int, way: str) -> str:
+    def _next(self, way: str, src: int, dst: int):
         n = self._seq[(way, src, dst)] = self._seq.get((way, src, dst), -1) + 1
-        return f"kv/{src}-{dst}/{n}"
+        return f"kv/{self.gen}/{src}-{dst}/{n}", f"{self.gen}:{src}:{dst}:{n}:".encode()
+
+    def _tag(self, head: bytes, payload: bytes) -> bytes:
+        return hmac.new(self._key, head + payload, hashlib.sha256).digest()
 
     def exchange(self, sends, recvs, timeout_s=None) -> None:
         count_messages(sends, recvs)
         for dst, buf in sends:
-            self.store.set(self._key(self.rank, dst, "out"), buf.numpy().tobytes())
+            key, head = self._next("out", self.rank, dst)
+            payload = buf.numpy().tobytes()
+            self.store.set(key, self._tag(head, payload) + payload)
+        limit = self.timeout_s if timeout_s is None else timeout_s
         for src, buf in recvs:
-            key = self._key(src, self.rank, "in")
-            self.store.wait([key], timedelta(seconds=timeout_s or self.timeout_s))
+            key, head = self._next("in", src, self.rank)
+            try:
+                self.store.wait([key], timedelta(seconds=limit))
+            except Exception as exc:  # noqa: BLE001 - the store's timeout, as a peer's loss
+                raise TransportTimeout(f"kv: no message from rank {src} in {limit:g}s") from exc
             data = self.store.get(key)
-            buf[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            tag, payload = data[:TAG], data[TAG:]
+            if not hmac.compare_digest(tag, self._tag(head, payload)):
+                raise MirrorError(f"kv: the message {key} from rank {src} failed its tag")
+            if len(payload) > buf.numel():
+                raise MirrorError(f"kv: {len(payload)} bytes from rank {src} for a "
+                                  f"{buf.numel()}-byte buffer")
+            buf[:len(payload)].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
 
     def all_ok(self, ok, timeout_s=None):
         return self.collectives.all_ok(ok, timeout_s)
@@ -80,63 +117,79 @@ class KvTransport(MirrorTransport):
 
     def all_gather_json(self, obj, timeout_s=None):
         return self.collectives.all_gather_json(obj, timeout_s)
+
+    def gather_from(self, value, ranks, timeout_s=None):
+        return self.collectives.gather_from(value, ranks, timeout_s)
 '''
 
 KV_ENTRY = '''
 
-@register_transport("kv", "the generation's store, one key per message")
+@register_transport("kv", "the generation's store, one sealed key per message")
 def _kv(ctx: TransportContext) -> "MirrorTransport":
     from .kv_transport import KvTransport
 
-    return KvTransport(ctx.store, ctx.rank, ctx.world_size, ctx.collectives, ctx.timeout_s)
+    return KvTransport(ctx.store, ctx.rank, ctx.world_size, ctx.collectives, ctx.secret,
+                       ctx.gen, ctx.timeout_s)
 '''
 
-# runs in the copy: the flag offers it, the settings take it, and three ranks (threads on
-# one store) pass tests/test_transport.py's conformance exchange through create_transport
+# runs in the copy: the flag offers it, the settings take it, and a message written to the
+# store by a client without the secret is refused, never copied into the buffer (the
+# conformance, in real processes with a dead peer, is the copy's tests/test_transport.py)
 KV_RUN = textwrap.dedent(f'''
-    import argparse, sys, threading
+    import argparse, sys
     import torch
     import megatron_deadpool
     from megatron_deadpool.base.config import DeadpoolConfig
+    from megatron_deadpool.base.errors import MirrorError
     from megatron_deadpool.control.link import MirrorSettings
     from megatron_deadpool.flags import add_deadpool_args
-    from megatron_deadpool.mirror.rounds import StoreRounds
     from megatron_deadpool.mirror.transport import TransportContext, create_transport
     assert megatron_deadpool.__file__.startswith(sys.argv[1]), megatron_deadpool.__file__
     sys.path.insert(0, {str(TESTS)!r})
-    from test_transport import SECRET, WORLD, _conformance
+    from test_transport import SECRET
 
     parser = add_deadpool_args(argparse.ArgumentParser())
     cfg = DeadpoolConfig.from_args(parser.parse_args(["--deadpool-mirror-transport", "kv"]))
     assert MirrorSettings(transport=cfg.mirror_transport).transport_name == "kv"
     flag = next(a for a in parser._actions if "--deadpool-mirror-transport" in a.option_strings)
-    assert "kv" in flag.choices and "or 'kv', the generation's store, one key" in flag.help
-    store, errors = torch.distributed.HashStore(), []
+    assert "kv" in flag.choices and "or 'kv', the generation's store, one sealed" in flag.help
 
-    def rank(r):
+    if True:
+        store = torch.distributed.HashStore()
+        t = create_transport("kv", TransportContext(store, 1, 2, None, secret=SECRET, gen=0,
+                                                    timeout_s=5))
+        forged = bytes(32) + bytes([7]) * 8  # written by a store client without the secret
+        store.set("kv/0/0-1/0", forged)
+        buf = torch.zeros(8, dtype=torch.uint8)
         try:
-            rounds = StoreRounds(store, r, WORLD, timeout_s=30, secret=SECRET, gen=0)
-            t = create_transport("kv", TransportContext(store, r, WORLD, rounds, timeout_s=30))
-            assert t.kind == "kv"
-            _conformance(t, r)
-        except BaseException as exc:
-            errors.append(f"rank {{r}}: {{type(exc).__name__}}: {{exc}}")
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(WORLD)]
-    [t.start() for t in threads]
-    [t.join(120) for t in threads]
-    assert not errors, errors
-    print("KV RAN")
+            t.exchange([], [(0, buf)])
+        except MirrorError as exc:
+            assert "failed its tag" in str(exc) and int(buf.sum()) == 0, exc
+        else:
+            raise AssertionError("a forged message was taken")
+        print("KV RAN")
 ''')
 
 
 def _add_kv_transport(root: Path, entry: bool = True) -> None:
-    """The change as docs/architecture.md (b) gives it: a backend module, one entry."""
+    """The change as docs/architecture.md (b) gives it: a backend module, one entry, and in
+    tests/ its CONFORMANCE entry."""
     mirror = root / "megatron_deadpool" / "mirror"
     (mirror / "kv_transport.py").write_text(KV_BACKEND)
     if entry:
         with open(mirror / "transport.py", "a") as f:
             f.write(KV_ENTRY)
+    conformance = root / "tests" / "test_transport.py"
+    text = conformance.read_text()
+    assert 'CONFORMANCE = ["gloo", "socket"]' in text
+    conformance.write_text(text.replace('CONFORMANCE = ["gloo", "socket"]',
+                                        'CONFORMANCE = ["gloo", "socket", "kv"]'))
+
+# (b)'s part of the fast suite: the flag, the registry and the new transport's conformance,
+# the house (the other transports' conformance runs in the repository's own suite)
+TRANSPORT_TESTS = ("test_config.py", "test_transport.py", "test_structure.py")
+TRANSPORT_SELECT = ("transport and not conformance or conformance and kv or registered "
+                    "or test_structure")
 
 
 def _changed(root: Path):
@@ -152,20 +205,22 @@ def _changed(root: Path):
 
 def test_a_new_transport_is_one_module_and_one_entry(tmp_path):
     """(b): a store-backed transport is ``mirror/kv_transport.py`` and one registry entry in
-    ``mirror/transport.py``: the flag offers it, the runtime's settings take it, it passes
-    the conformance exchange, and the structure checks pass on the copy (its layer is its
-    folder's, the doc's ``mirror/*_transport`` row maps it). Without the entry it fails."""
-    root = _copy(tmp_path)
+    ``mirror/transport.py`` (plus its CONFORMANCE entry in tests/): the flag offers it, the
+    runtime's settings take it, a forged message is refused, and the part of the fast suite
+    it could break passes on the copy (``TRANSPORT_TESTS``: the conformance in three real
+    processes with a dead peer, the flag, the structure checks: its layer is its folder's,
+    the doc's ``mirror/*_transport`` row maps it). Without the entry it fails."""
+    root = copy_repo(tmp_path)
     _add_kv_transport(root)
     assert _changed(root) == ["megatron_deadpool/mirror/kv_transport.py",
                               "megatron_deadpool/mirror/transport.py"]
     ran = _run(root, ["-c", KV_RUN, str(root)])
     assert ran.returncode == 0 and "KV RAN" in ran.stdout, ran.stdout[-3000:] + ran.stderr[-5000:]
-    checked = _run(root, ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                          str(TESTS / "test_structure.py")])
+    checked = run_tests(root, TRANSPORT_TESTS, TRANSPORT_SELECT)
     assert checked.returncode == 0, checked.stdout[-5000:] + checked.stderr[-2000:]
+    assert "test_transport_conformance[kv] PASSED" in checked.stdout, checked.stdout[-3000:]
 
-    planted = _copy(tmp_path / "planted")
+    planted = copy_repo(tmp_path / "planted")
     _add_kv_transport(planted, entry=False)  # the registry line forgotten
     ran = _run(planted, ["-c", KV_RUN, str(planted)])
     assert ran.returncode != 0 and "invalid choice: 'kv'" in ran.stderr, ran.stderr[-3000:]

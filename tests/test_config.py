@@ -1,4 +1,5 @@
 import argparse
+import re
 
 import pytest
 
@@ -61,19 +62,23 @@ def test_the_transport_flag_is_the_registrys():
     entries (mirror/transport.py), in registration order; a name it does not hold is refused
     naming the flag."""
     from megatron_deadpool.control.link import MirrorSettings
+    from megatron_deadpool.mirror import transport
 
+    entries = list(transport._ENTRIES.values())  # the registry, in registration order
     p = add_deadpool_args(argparse.ArgumentParser())
     flag = next(a for a in p._actions if "--deadpool-mirror-transport" in a.option_strings)
-    assert flag.choices == ("socket", "gloo") and flag.default == "socket"
-    assert flag.help == ("how snapshots reach the buddies: 'socket', a TCP connection per "
-                         "(rank, buddy) pair, or 'gloo', the mirror's gloo group, which runs "
-                         "the collectives either way (default %(default)s)")
-    args = p.parse_args(["--deadpool-mirror-transport", "gloo"])
-    assert DeadpoolConfig.from_args(args).mirror_transport == "gloo"
-    assert MirrorSettings(transport="gloo").transport_name == "gloo"
+    assert flag.choices == tuple(e.name for e in entries) and flag.default == "socket"
+    assert {"socket", "gloo"} <= set(flag.choices)  # today's two; a third is one entry
+    assert flag.help.startswith("how snapshots reach the buddies: 'socket', a TCP connection "
+                                "per (rank, buddy) pair, ")
+    assert all(f"'{e.name}', {e.help}" in flag.help for e in entries)
+    for name in flag.choices:
+        args = p.parse_args(["--deadpool-mirror-transport", name])
+        assert DeadpoolConfig.from_args(args).mirror_transport == name
+        assert MirrorSettings(transport=name).transport_name == name
     assert MirrorSettings(replicas=0).transport_name == "gloo"  # no buddies: the gloo group
     with pytest.raises(ConfigError, match=r"--deadpool-mirror-transport must be one of "
-                       r"\('socket', 'gloo'\), got 'carrier-pigeon'"):
+                       + re.escape(repr(flag.choices)) + ", got 'carrier-pigeon'"):
         MirrorSettings(transport="carrier-pigeon")
 
 

@@ -1,10 +1,12 @@
 """Hot-swap must-shows: each run ends with the failure-free run's fingerprint."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from conftest import assert_ok_and_bitwise, deadpool, launch, layout_flags
+from test_readme_tables import DEMO_SHOWN, demo_block, pattern, shown_in
 from megatron_deadpool.base.vocabulary import PHASE_ORDER
 
 pytestmark = [pytest.mark.slow]
@@ -88,6 +90,10 @@ def test_demo(tmp_path):
     assert set(rec["phases_s"]) == set(PHASE_ORDER)
     assert d["completed_iters"] == 30 and d["faults"][0]["at_iter"] == 12
     assert "recovery timeline" in p.stdout
+    repo = Path(__file__).resolve().parents[1]
+    for doc in DEMO_SHOWN:  # the output the docs show is this run's, numbers that vary aside
+        missing = shown_in(p.stdout, [pattern(line) for line in demo_block(repo / doc)])
+        assert not missing, f"{doc}'s demo output is not what the demo prints: {missing}"
 
 
 def test_rank_killed_during_mirror_exchange(tmp_path, reference):

@@ -76,11 +76,68 @@ def test_every_readme_link_into_the_repository_leads_somewhere():
 
 
 def test_the_rows_that_other_tests_and_docs_name_are_kept():
-    text = README.read_text()
-    rows = {shown(c) for _, c in table_cells(text)}
-    ft = next(line for line in text.splitlines() if line.startswith("| `--enable-ft-package`"))
+    text, features = README.read_text(), (REPO / "docs" / "features.md").read_text()
+    ft = next(line for line in features.splitlines()
+              if line.startswith("| `--enable-ft-package`"))
     assert "tested bitwise" in ft                 # issue 50: a tested row, no longer refused
-    assert {"refused", "every commit"} <= rows
-    for heading in ("### Supported Megatron-LM tags", "## Status and compatibility",
-                    "### GPU extras", "**Refused with `--deadpool`.**"):
+    assert "every commit" in {shown(c) for _, c in table_cells(text)}
+    assert "refused" in {shown(c) for _, c in table_cells(features)}
+    for heading in ("### Supported Megatron-LM tags", "## Status and compatibility"):
         assert heading in text, heading           # named by the code, the Makefile and docs/
+    assert "**Refused with `--deadpool`.**" in features
+    assert "### GPU extras" in (REPO / "docs" / "usage.md").read_text()
+
+
+# the docs that show the demo's output: each block must be what the demo prints
+DEMO_SHOWN = ("README.md", "docs/usage.md")
+
+
+# what varies from run to run in the demo's output: numbers with a decimal point (times,
+# losses), step times in ms, the slowest rank, the fingerprints; and the spacing
+VARYING = re.compile(r"\d+\.\d+|\d+(?= ms)|(?<=on rank )\d+|[0-9a-f]{7}\.\.\.|\s+")
+
+
+def demo_block(doc: Path) -> list:
+    """The lines of ``doc``'s code block that ends with the demo's verdict (``bitwise_equal``),
+    ``...`` (lines left out) and blank lines dropped."""
+    block = next(b for b in re.findall(r"```[a-z]*\n(.*?)```", doc.read_text(), re.S)
+                 if "bitwise_equal" in b)
+    return [line.strip() for line in block.splitlines() if line.strip() not in ("", "...")]
+
+
+def pattern(line: str) -> str:
+    """``line`` as a pattern: what varies (VARYING) matches anything of its kind; every other
+    number (iterations, ranks, spares, the iterations restored and redone) as shown."""
+    out, at = [], 0
+    for m in VARYING.finditer(line):
+        tok = m.group()
+        out += [re.escape(line[at:m.start()]), r"\s+" if tok.isspace() else
+                r"[0-9a-f]+(\.\.\.)?" if tok.endswith("...") else r"[0-9.]+"]
+        at = m.end()
+    return "".join(out) + re.escape(line[at:])
+
+
+def shown_in(printed: str, patterns: list) -> list:
+    """The patterns not found in ``printed``'s lines, in order (each after the last match)."""
+    lines, at, missing = printed.splitlines(), 0, []
+    for pat in patterns:
+        hit = next((i for i in range(at, len(lines)) if re.fullmatch(pat, lines[i].strip())),
+                   None)
+        if hit is None:
+            missing.append(pat)
+        else:
+            at = hit + 1
+    return missing
+
+
+def test_the_shown_demo_check_catches_a_stale_line():
+    """The check can fail: a block read as printed matches itself, and the same block with
+    another iteration restored is caught."""
+    for doc in DEMO_SHOWN:
+        lines = demo_block(REPO / doc)
+        pats = [pattern(line) for line in lines]
+        assert any("restored" in line for line in lines), doc
+        assert shown_in("\n".join(lines), pats) == [], doc
+        stale = re.sub(r"restored iteration (\d+)", lambda m: f"restored iteration "
+                       f"{int(m.group(1)) + 1}", "\n".join(lines))
+        assert shown_in(stale, pats), doc  # tests/test_hotswap.py test_demo: the real run

@@ -13,7 +13,9 @@ from megatron_deadpool.base.config import DeadpoolConfig
 from megatron_deadpool.base.errors import JobStopped, NoCommittedStateError, stopped
 from megatron_deadpool.base.plan import Plan
 from megatron_deadpool.base.state import Role, WorkerState
+from megatron_deadpool.base.vocabulary import Phase
 from megatron_deadpool.control.runtime import Runtime
+from megatron_deadpool.control.steps import SPARE
 from megatron_deadpool.recovery.phases import EventSink
 from megatron_deadpool.base.worker_env import WorkerEnv
 
@@ -436,8 +438,10 @@ def test_a_promoted_spares_phases_tile_its_recovery(tmp_path):
     calls, att, phases, report = spare_walk(tmp_path / "events.jsonl", build_s=0.05)
     assert calls == ["connect", "quiet", "attach"] and att.restores == 1
     assert report["spare"] and report["generation"] == 1
-    assert [p for p, _ in phases] == ["rendezvous", "rebuild_groups", "restore_state",
-                                      "first_step"]
-    assert dict(phases) == {"rendezvous": 0.0, "rebuild_groups": 0.0,
-                            "restore_state": pytest.approx(0.05), "first_step": 0.0}
+    # today's phases, from the one source: the spare's steps (control/steps.py SPARE), in
+    # order, then the runtime's first step; the model build is timed in restore_state
+    walk = [*dict.fromkeys(step.phase.value for step in SPARE), Phase.FIRST_STEP.value]
+    assert "abort" not in walk and [p for p, _ in phases] == walk
+    assert dict(phases) == {p: pytest.approx(0.05) if p == "restore_state" else 0.0
+                            for p in walk}
     assert report["phases_s"] == pytest.approx(dict(phases), abs=1e-5)

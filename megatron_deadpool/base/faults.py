@@ -119,8 +119,9 @@ class FaultKind:
     sequence: Tuple[Step, ...] = ()
     params: Tuple[Param, ...] = ()
     targets: Tuple[Target, ...] = (Target.NODE, Target.RANK)  # where it can be delivered
-    timed: bool = False       # may be given as @t=S (unstaged, from outside)
-    claimed: bool = True      # fires once in the job (False: on every rank it targets)
+    timed: bool = False       # may also fire at a wall-clock time (@t=S), from outside
+    claimed: bool = True      # fires once in the job, on the first target to reach it
+    #                           (False: on every rank it targets)
     power_off: bool = False   # its node's agent dies with the last signal (no exit reported)
 
     def __post_init__(self) -> None:

@@ -27,7 +27,7 @@ from ..recovery import restore
 from ..recovery.abort import communicator_sockets
 
 
-NO_BUDDIES = "gloo"  # the registered transport with no buddies (--deadpool-replicas 0)
+NO_BUDDY_TRANSPORT = "gloo"  # the registered transport with no buddies (--deadpool-replicas 0)
 
 
 @dataclass(frozen=True)
@@ -54,18 +54,19 @@ class MirrorSettings:
     @property
     def transport_name(self) -> str:
         """The registered transport: the chosen one, or with no buddies the gloo group."""
-        return self.transport if self.replicas else NO_BUDDIES
+        return self.transport if self.replicas else NO_BUDDY_TRANSPORT
 
 
 @dataclass(frozen=True)
 class Link:
-    """One generation's: the mirror transport, the store rounds of its collectives, the
-    rejection board, the generation's store and the placement's nodes."""
+    """How the mirror reaches the other ranks in one generation: the mirror transport, the
+    store rounds of its collectives, the rejection board, the generation's store and the
+    placement's nodes."""
 
     nodes: tuple                      # the plan's node of each rank (buddy placement)
     transport: object                 # a registered MirrorTransport
     rounds: StoreRounds
-    board: RejectionBoard
+    board: RejectionBoard             # where a holder posts a copy it rejected (mirror/commit.py)
     store: object                     # the generation's default store
 
     def abort(self) -> None:
@@ -83,8 +84,8 @@ class Link:
 
 
 class Links:
-    """The current generation's link, replaced by each recovery; ``abort`` may come from any
-    thread (``World.on_abort``: the transport's own sockets are not abort.py's)."""
+    """The holder of the current generation's ``Link``, replaced by each recovery; ``abort`` may
+    come from any thread (``World.on_abort``: the transport's own sockets are not abort.py's)."""
 
     def __init__(self, settings: MirrorSettings, meter: meters.NullMeter = meters.NO_METER,
                  records: Optional[Callable[[Plan], Callable[[int], Any]]] = None):

@@ -38,7 +38,7 @@ from ..recovery.world import World
 from .attachment import Attachment
 from .holders import GroupHolders
 from .link import Links
-from .steps import SPARE, SURVIVOR, Crew, RebuildGroups, Sequence
+from .steps import SPARE, SURVIVOR, Crew, RebuildGroups, StepChain
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class Runtime:
         self.boundary = Boundary(member, env.lid)  # planned swaps (membership/drain.py)
         crew = Crew(config, member, world, attachment, self.holders, links, sink, self.faults,
                     lambda: self.state, self._adopt, CollectiveSuppressor())
-        self.survivor, self.spare = Sequence(crew, SURVIVOR), Sequence(crew, SPARE)
+        self.survivor, self.spare = StepChain(crew, SURVIVOR), StepChain(crew, SPARE)
         self.quiet, self.first_groups = crew.quiet, RebuildGroups(crew).first
 
     @property

@@ -1,6 +1,6 @@
 """The recovery's steps, one class each, and the two sequences built from them. Every step
 takes and returns the ``Attempt`` (recovery/phases.py), as NVRx ``Compose`` chains its
-steps; ``Sequence.run`` times each one as the phase it names (``base/vocabulary.py``'s
+steps; ``StepChain.run`` times each one as the phase it names (``base/vocabulary.py``'s
 ``RECOVERY_PHASES``, in this order), the one wrapper, so a step never starts or stops a timer
 itself. ``SURVIVOR`` and ``SPARE`` below are the sequences; the restore is four steps
 (``RESTORE``: agree, transfer, verify, load; recovery/restore.py), all in one phase.
@@ -41,9 +41,9 @@ from .link import Links
 
 @dataclass(frozen=True)
 class Crew:
-    """What the steps act on: the worker's parts (one of each per process), and the
-    runtime's ``state()`` and ``adopt(plan)`` (take this process's rank in a plan: the
-    runtime's ``RankState`` follows)."""
+    """The worker process's parts that the recovery steps use. What the steps act on: the worker's
+    parts (one of each per process), and the runtime's ``state()`` and ``adopt(plan)`` (take
+    this process's rank in a plan: the runtime's ``RankState`` follows)."""
 
     config: DeadpoolConfig
     member: object                    # membership.member.Member
@@ -55,13 +55,18 @@ class Crew:
     faults: Callable                  # base.faults.FaultPoints
     state: Callable[[], RankState]
     adopt: Callable[[Plan], int]
-    quiet: CollectiveSuppressor       # a promoted spare's solitary model build
+    quiet: CollectiveSuppressor       # turns collectives into no-ops while a promoted spare
+    #                                   builds its model alone (adapters/quiet.py)
 
 
 class Step:
+    """One small part of a recovery, timed as its ``phase``: it takes the attempt and
+    returns it."""
+
     phase: Phase
-    # a promoted spare's walk pauses before this step until its caller's next call, its
-    # phase timing the caller's work meanwhile (Sequence.run)
+    # True: a promoted spare stops before this step and waits for what its caller hands it
+    # next (Megatron's arguments, its model); the step's phase times the caller's work
+    # meanwhile (StepChain.run)
     spare_waits: bool = False
 
     def __init__(self, crew: Crew):
@@ -71,13 +76,13 @@ class Step:
         self.faults, self.state, self.adopt = crew.faults, crew.state, crew.adopt
         self.quiet = crew.quiet
 
-    def __call__(self, a: Attempt) -> Attempt:
+    def __call__(self, attempt: Attempt) -> Attempt:
         raise NotImplementedError
 
-    def fault_point(self, a: Attempt) -> None:
+    def fault_point(self, attempt: Attempt) -> None:
         """Test hook: a survivor dies in this step's phase (``--inject ...,phase=P``)."""
-        if not a.spare:
-            self.faults(a.iteration_at_failure + 1, self.phase)
+        if not attempt.spare:
+            self.faults(attempt.iteration_at_failure + 1, self.phase)
 
 
 class Abort(Step):
@@ -87,17 +92,17 @@ class Abort(Step):
 
     phase = Phase.ABORT
 
-    def __call__(self, a: Attempt) -> Attempt:
-        self.world.abort(f"{type(a.cause).__name__} in the training step", self.state().rank)
+    def __call__(self, attempt: Attempt) -> Attempt:
+        self.world.abort(f"{type(attempt.cause).__name__} in the training step", self.state().rank)
         self.links.abort()  # wakes a mirror thread blocked on a dead peer
         self.att.quiesce(self.config.rendezvous_timeout_s)
         self.links.retire()
-        drop_traceback(a.cause)
+        drop_traceback(attempt.cause)
         if self.config.audit is Audit.FULL:
-            a.old_groups = weak_groups(all_process_groups())
+            attempt.old_groups = weak_groups(all_process_groups())
         self.world.retire()
         self.holders.release(self.links.release())  # they die on the reaper thread
-        return a
+        return attempt
 
 
 class Rendezvous(Step):
@@ -105,15 +110,15 @@ class Rendezvous(Step):
 
     phase = Phase.RENDEZVOUS
 
-    def __call__(self, a: Attempt) -> Attempt:
+    def __call__(self, attempt: Attempt) -> Attempt:
         timeout_s, plan = self.config.rendezvous_timeout_s, self.state().plan
-        if not a.startup:  # a spare starting up was promoted with its plan
-            plan = self.member.wait_for_plan(plan.gen + 1, timeout_s, a.cause)
+        if not attempt.startup:  # a spare starting up was promoted with its plan
+            plan = self.member.wait_for_plan(plan.gen + 1, timeout_s, attempt.cause)
             self.adopt(plan)  # the victim of a fault point must know its rank in the plan
-            self.fault_point(a)
-        a.join(form_world(plan, self.adopt, self.member, self.world, timeout_s,
+            self.fault_point(attempt)
+        attempt.join(form_world(plan, self.adopt, self.member, self.world, timeout_s,
                           with_groups=False))  # its phases from here on are this plan's
-        return a
+        return attempt
 
 
 class RebuildGroups(Step):
@@ -123,22 +128,22 @@ class RebuildGroups(Step):
     phase = Phase.REBUILD_GROUPS
     spare_waits = True  # for Megatron's arguments (initialize_model_parallel)
 
-    def __call__(self, a: Attempt) -> Attempt:
-        if a.startup:
-            self.first(a.group_kwargs)
+    def __call__(self, attempt: Attempt) -> Attempt:
+        if attempt.startup:
+            self.first(attempt.group_kwargs)
             self.quiet.start()  # it builds its model without talking to anyone (quiet.py)
-            return a
-        self.fault_point(a)
+            return attempt
+        self.fault_point(attempt)
         self.world.build_groups()
         self.holders.drop(self.world.take_dropped())  # not kept; the old default
-        a.old_groups = still_old(a.old_groups, self.world.kept())
+        attempt.old_groups = still_old(attempt.old_groups, self.world.kept())
         self.world.set_collective_timeouts()  # before the mirror's group: it has its own
-        audit = self.holders.rebind(self.config.audit, a.old_groups)
+        audit = self.holders.rebind(self.config.audit, attempt.old_groups)
         self.att.use(self.links.connect(self.state().plan))
         if audit:
             self.sink.emit(Event.AUDIT, generation=self.state().generation,
                            rank=self.state().rank, **audit)
-        return a
+        return attempt
 
     def first(self, kwargs: Optional[dict]) -> None:
         """The first build of Megatron's groups with its own arguments (recorded, replayed
@@ -166,19 +171,19 @@ class Agree(Step):
     phase = Phase.RESTORE_STATE
     spare_waits = True  # for its model (attach)
 
-    def __call__(self, a: Attempt) -> Attempt:
+    def __call__(self, attempt: Attempt) -> Attempt:
         state = self.state()
         plan = state.plan
-        self.fault_point(a)
+        self.fault_point(attempt)
         self.ready(state)
-        if a.spare:  # the draining rank sends since the boundary: a short bound
+        if attempt.spare:  # the draining rank sends since the boundary: a short bound
             direct = plan.drain is not None and self.config.drain_source is DrainSource.DIRECT
             got = self.links.hand_off(self.att, state.generation, state.rank,
                                       self.config.gloo_op_timeout_s / 3) if direct else None
-            a.state_from = "buddy" if got is None else "direct"
-        a.restore = self.att.restoring(state.rank, self.links.current)
-        restore.agree_on(a.restore)
-        return a
+            attempt.state_from = "buddy" if got is None else "direct"
+        attempt.restore = self.att.restoring(state.rank, self.links.current)
+        restore.agree_on(attempt.restore)
+        return attempt
 
 
     def ready(self, state: RankState) -> None:
@@ -204,9 +209,9 @@ class Transfer(Step):
 
     phase = Phase.RESTORE_STATE
 
-    def __call__(self, a: Attempt) -> Attempt:
-        restore.transfer(a.restore)
-        return a
+    def __call__(self, attempt: Attempt) -> Attempt:
+        restore.transfer(attempt.restore)
+        return attempt
 
 
 class Verify(Step):
@@ -215,9 +220,9 @@ class Verify(Step):
 
     phase = Phase.RESTORE_STATE
 
-    def __call__(self, a: Attempt) -> Attempt:
-        restore.verify(a.restore)
-        return a
+    def __call__(self, attempt: Attempt) -> Attempt:
+        restore.verify(attempt.restore)
+        return attempt
 
 
 class Load(Step):
@@ -226,9 +231,9 @@ class Load(Step):
 
     phase = Phase.RESTORE_STATE
 
-    def __call__(self, a: Attempt) -> Attempt:
-        a.restored = restore.load(a.restore)
-        return a
+    def __call__(self, attempt: Attempt) -> Attempt:
+        attempt.restored = restore.load(attempt.restore)
+        return attempt
 
 
 def still_old(old_groups, kept: set):
@@ -251,22 +256,22 @@ SURVIVOR: Seq[Type[Step]] = (Abort, Rendezvous, RebuildGroups, *RESTORE)
 SPARE: Seq[Type[Step]] = (Rendezvous, RebuildGroups, *RESTORE)
 
 
-class Sequence:
+class StepChain:
     """Steps run in order, each timed as its phase (the attempt's timer: each phase closes
     the one before it, and emits it)."""
 
     def __init__(self, crew: Crew, steps: Seq[Type[Step]]):
         self.steps = tuple(step(crew) for step in steps)
 
-    def run(self, a: Attempt, pause: bool = False) -> Attempt:
+    def run(self, attempt: Attempt, pause: bool = False) -> Attempt:
         """The steps ``a`` has not done yet. ``pause`` (a promoted spare's walk): stop before
         the next step that waits for the caller (``Step.spare_waits``; not the first one run,
         which the call resumes), its phase timing the caller's work until then."""
-        for i, step in enumerate(self.steps[a.done:]):
-            a.phase(step.phase)
+        for i, step in enumerate(self.steps[attempt.done:]):
+            attempt.phase(step.phase)
             if pause and step.spare_waits and i > 0:
-                return a
-            a = step(a)
-            a.done += 1
-        a.phase(None)
-        return a
+                return attempt
+            attempt = step(attempt)
+            attempt.done += 1
+        attempt.phase(None)
+        return attempt

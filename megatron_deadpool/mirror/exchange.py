@@ -56,8 +56,10 @@ class Rejections:
 
 @dataclass(frozen=True)
 class Holdings:
-    """What a rank's exchanges fill and read, owned by its ``Mirror`` for the job's life.
-    ``ensure_layout``: the mirror's (a spare's own slots exist only once it has run)."""
+    """A rank's snapshots in host memory: its own (``OwnSlots``) and those it holds for its
+    buddies (``HeldCopies``). What a rank's exchanges fill and read, owned by its ``Mirror``
+    for the job's life. ``ensure_layout``: the mirror's (a spare's own slots exist only once it
+    has run)."""
 
     rank: int
     own: OwnSlots

@@ -18,9 +18,9 @@ log = logging.getLogger(__name__)
 
 
 class OwnSlots:
-    """This rank's own double buffer: the snapshot of ``iteration`` is written into slot
-    ``iteration % 2``, so the copy of ``iteration - 1`` stays intact while it is in flight.
-    Pinned when CUDA is present: these slots alone receive D2H copies."""
+    """This rank's own snapshots in host memory, a double buffer: the snapshot of ``iteration`` is
+    written into slot ``iteration % 2``, so the copy of ``iteration - 1`` stays intact while it
+    is in flight. Pinned when CUDA is present: these slots alone receive D2H copies."""
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -75,6 +75,9 @@ class OwnSlots:
 
 
 class HeldCopies:
+    """The copies of other ranks' snapshots that this rank holds as their buddy, by rank,
+    checked (``inventory``) before any is sent back in a restore."""
+
     def __init__(self, job: int = 0):
         self.job = job  # snapshot.job_id(secret): copies of another job are refused
         self.slots: Dict[int, List[torch.Tensor]] = {}

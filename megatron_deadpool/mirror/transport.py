@@ -144,7 +144,8 @@ def _socket(ctx: TransportContext) -> "MirrorTransport":
         at=ctx.at)
 
 
-@register_transport("gloo", "the mirror's gloo group, which runs the collectives either way")
+@register_transport("gloo", "send/recv on the mirror's gloo group (the collectives are "
+                    "the generation's signed store rounds with either)")
 def _gloo(ctx: TransportContext) -> "MirrorTransport":
     from .gloo_transport import GlooTransport
 

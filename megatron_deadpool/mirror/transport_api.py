@@ -1,6 +1,6 @@
-"""Mirror transport: one small interface for moving snapshot bytes between ranks.
-
-Every implementation passes the same conformance test (tests/test_transport.py).
+"""Mirror transport: one small interface for moving snapshot bytes between ranks, and its
+contract, written here once. Every registered transport passes the same conformance test
+(tests/test_transport.py, ``CONFORMANCE``: three real processes, one of which leaves).
 
     exchange(sends=[(dst, buf)], recvs=[(src, buf)])   point-to-point, all at once, blocking
     all_ok(flag) -> bool                               True iff every member passed True
@@ -8,21 +8,46 @@ Every implementation passes the same conformance test (tests/test_transport.py).
     all_gather_json(obj) -> [obj of rank 0, 1, ...]
     gather_from(v, ranks) -> {rank: v of rank}         (a holder's owners' slot sizes)
 
-The collectives go to the generation's store as rounds (rounds.py: O(K) work per rank for
-what the mirror asks), or, for the gloo transport, to its world-wide gloo group.
+The contract (what a transport author must keep):
 
-Buffers are uint8 CPU tensors; receive buffers are preallocated by the caller, at least as
-large as what the sender sends, which fills their prefix (the rest is left as it was: a
-snapshot slot says in its header how much of it counts). Every call takes an optional
-``timeout_s``.
-
-Each transport names itself in ``kind`` (a registered one: its registry name), which the
-rank results and the bench report as ``mirror_transport``. One whose registry entry serves a drain's hand-off
-(``handoff=True``, mirror/handoff.py) is built with ``purpose="handoff"``, two members and
-no collectives (only ``exchange``), and answers ``reachable`` without blocking.
+- **Buffers.** uint8 CPU tensors; receive buffers are preallocated by the caller, at least as
+  large as what the sender sends, which fills their prefix (the rest is left as it was: a
+  snapshot slot says in its header how much of it counts). A message larger than its
+  receive buffer is refused. Every call takes an optional ``timeout_s`` (None: the
+  transport's own, ``TransportContext.timeout_s``).
+- **Authentication of every message.** A message is taken only if it was sent by a member
+  of this job and generation: each is bound to the job's secret (``TransportContext.secret``),
+  the generation (``gen``), its sender, its receiver and its place in their stream, and a
+  message that fails that check is refused with an error, never copied into a buffer
+  (docs/threat-model.md: the socket transport signs its handshakes and tags every frame,
+  the gloo transport tags every message under its pair's key). A store-backed transport
+  seals each value it writes (tests/test_common_changes.py builds one).
+- **Collectives.** ``all_ok``, the gathers and ``gather_from`` go to
+  ``TransportContext.collectives``: the generation's signed store rounds (rounds.py: O(K)
+  work per rank for what the mirror asks). A transport never answers them from data only
+  one member could forge.
+- **A dead peer.** A call whose peer died or never answers ends within its ``timeout_s``
+  with an error that recovery classifies as a peer failure (``TransportTimeout``,
+  ``frames.PeerLost``, or the backend's connection error: recovery/classify.py
+  ``is_comm_failure``); it never hangs and never returns as if the peer had answered.
+- **Abort, from any thread.** The generation's abort (recovery/abort.py) shuts down the
+  connections of the communicators it knows (a group the factory built through
+  ``TransportContext.communicator`` among them) and then calls ``abort()``
+  (``World.on_abort``), which must wake whatever that does not reach (the socket
+  transport's own connections): a call blocked in the transport then ends with an error.
+  ``abort`` is called from another thread than the blocked call, and more than once.
+- **Release.** ``release()`` ends the generation: close what closes fast and return what
+  must die off the critical path (a gloo group: reaper.py), or None. Nothing of a released
+  transport is used again; the next generation builds a new one.
+- **Kind.** ``kind`` is the transport's registry name; the rank results and the bench
+  report it as ``mirror_transport``.
+- **Hand-off.** One whose registry entry says ``handoff=True`` also carries a drain's
+  one-to-one hand-off (mirror/handoff.py): built with ``purpose="handoff"``, two members, no
+  collectives (only ``exchange``), and ``reachable`` answered without blocking.
 
 This module is the interface only: a backend (socket_transport.py, gloo_transport.py)
 imports it, and the registry (transport.py) imports the backends, each inside its factory.
+A new transport: docs/architecture.md, "(b) Add a mirror transport".
 """
 
 from __future__ import annotations
