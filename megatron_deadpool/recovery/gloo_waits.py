@@ -156,19 +156,28 @@ class AbortableWork:
         return self._box is None and self._ops is not None
 
     def wait_for(self, timeout_s: float) -> bool:
-        """(a recovery completing a group's collectives, repair.py) wait on this thread for
-        at most ``timeout_s``, never waited on before; whether it finished without error."""
-        from datetime import timedelta
-
-        try:
-            self._work.wait(timedelta(seconds=max(timeout_s, 0.001)))
-        except Exception:  # noqa: BLE001 - timed out or failed: not finished
+        """(a recovery completing a group's collectives, repair.py) wait for at most
+        ``timeout_s``; whether it finished without error. The wait in gloo runs on a waiter
+        of its own, never on this thread: gloo's ``Work.wait(timeout)`` was seen to sit out
+        the group's whole 15 s deadline on a work caught in flight (pretrain_gpt.py kills,
+        2026-11-30: every rank's rebuild_groups took 15.5 s). A work not finished in time
+        stays with its waiter, which closes its tally when gloo ends it; the abort ends it
+        like any other wait."""
+        if self._box is None:
+            with _lock:
+                waiter = _Waiter()
+                box = self._box = _Box(self._work, waiter, self._ops)
+                group_ops.waited(self._ops, self)
+                self._ops = None  # the waiter accounts for it
+                _pending.add(box)
+                waiter.q.put(box)
+                waiter.q.put(None)  # one work: the waiter ends after it
+        box = self._box
+        if not box.finished and not box.done.acquire(timeout=max(timeout_s, 0.001)):
             return False
-        group_ops.waited(self._ops, self)
-        self._ops, ops = None, self._ops
-        if ops is not None:
-            ops.done()
-        return True
+        with _lock:
+            _pending.discard(box)
+        return not box.abandoned and box.error is None
 
     def __getattr__(self, name):
         return getattr(self._work, name)
