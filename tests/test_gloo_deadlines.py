@@ -391,3 +391,37 @@ def test_a_group_creation_waiting_for_a_dead_member_ends_at_the_abort():
     assert kind != "completed", msg
     assert "timeout" not in msg.lower() and "timed out" not in msg.lower(), (kind, msg)
     assert is_comm_failure(RuntimeError(msg)) or kind.startswith("Dist"), (kind, msg)
+
+
+def test_a_completions_wait_is_bounded_even_where_gloos_own_timeout_is_not():
+    """Issue 57: a recovery waits for a work caught in flight at most ``wait_for``'s
+    timeout. gloo's ``Work.wait(timeout)`` sat out the group's whole 15 s deadline on such
+    a work (every rank's rebuild_groups took 15.5 s in 3 of 6 kills of pretrain_gpt.py);
+    here a work whose wait ignores its timeout: ``wait_for`` returns, not finished, while
+    that wait still runs (an order, not a time, is asserted), and the tally closes the work
+    once it ends."""
+    import threading
+
+    from megatron_deadpool.recovery import gloo_waits, group_ops
+
+    release, ended = threading.Event(), threading.Event()
+
+    class DeafWork:  # a gloo work whose wait ignores the timeout it is given
+        def wait(self, timeout=None):
+            release.wait(60)
+            ended.set()
+            return True
+
+    ops = group_ops.Ops()
+    ops.open += 1
+    work = gloo_waits.AbortableWork(DeafWork(), ops)
+    assert work.never_waited() and list(ops.works) == [work]
+    assert work.wait_for(0.05) is False
+    assert not ended.is_set() and not work.never_waited() and ops.open == 1
+    release.set()
+    assert ended.wait(30)
+    for _ in range(3000):  # the waiter closes the tally once gloo ended the work
+        if ops.open == 0:
+            break
+        threading.Event().wait(0.01)
+    assert ops.open == 0 and work.wait_for(0.05) is True
