@@ -154,20 +154,19 @@ KV_RUN = textwrap.dedent(f'''
     flag = next(a for a in parser._actions if "--deadpool-mirror-transport" in a.option_strings)
     assert "kv" in flag.choices and "or 'kv', the generation's store, one sealed" in flag.help
 
-    if True:
-        store = torch.distributed.HashStore()
-        t = create_transport("kv", TransportContext(store, 1, 2, None, secret=SECRET, gen=0,
-                                                    timeout_s=5))
-        forged = bytes(32) + bytes([7]) * 8  # written by a store client without the secret
-        store.set("kv/0/0-1/0", forged)
-        buf = torch.zeros(8, dtype=torch.uint8)
-        try:
-            t.exchange([], [(0, buf)])
-        except MirrorError as exc:
-            assert "failed its tag" in str(exc) and int(buf.sum()) == 0, exc
-        else:
-            raise AssertionError("a forged message was taken")
-        print("KV RAN")
+    store = torch.distributed.HashStore()
+    t = create_transport("kv", TransportContext(store, 1, 2, None, secret=SECRET, gen=0,
+                                                timeout_s=5))
+    forged = bytes(32) + bytes([7]) * 8  # written by a store client without the secret
+    store.set("kv/0/0-1/0", forged)
+    buf = torch.zeros(8, dtype=torch.uint8)
+    try:
+        t.exchange([], [(0, buf)])
+    except MirrorError as exc:
+        assert "failed its tag" in str(exc) and int(buf.sum()) == 0, exc
+    else:
+        raise AssertionError("a forged message was taken")
+    print("KV RAN")
 ''')
 
 
