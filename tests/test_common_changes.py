@@ -7,6 +7,7 @@ temporary copy of the package, touching only the files the doc names, and shown 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -170,24 +171,43 @@ KV_RUN = textwrap.dedent(f'''
 ''')
 
 
-def _add_kv_transport(root: Path, entry: bool = True) -> None:
-    """The change as docs/architecture.md (b) gives it: a backend module, one entry, and in
-    tests/ its CONFORMANCE entry."""
+def example_name() -> str:
+    """The name (b)'s example transport takes here: ``kv``, the docs' name, unless this
+    repository already has a transport of that name or module (a newcomer who made (b) from
+    the docs), then ``kv2``, ``kv3``... The change is then made again, beside theirs."""
+    from megatron_deadpool.mirror.transport import transport_names
+
+    mirror, n = REPO / "megatron_deadpool" / "mirror", 1
+    while True:
+        name = "kv" if n == 1 else f"kv{n}"
+        if name not in transport_names() and not (mirror / f"{name}_transport.py").exists():
+            return name
+        n += 1
+
+
+def named(text: str, name: str) -> str:
+    """The docs' example (``kv``, ``kv_transport``, ``kv/<gen>/...``) under ``name``."""
+    return text if name == "kv" else text.replace("kv", name)
+
+
+def _add_kv_transport(root: Path, name: str, entry: bool = True) -> None:
+    """The change as docs/architecture.md (b) gives it, under ``name``: a backend module,
+    one entry, and in tests/ its CONFORMANCE entry."""
     mirror = root / "megatron_deadpool" / "mirror"
-    (mirror / "kv_transport.py").write_text(KV_BACKEND)
+    (mirror / f"{name}_transport.py").write_text(named(KV_BACKEND, name))
     if entry:
         with open(mirror / "transport.py", "a") as f:
-            f.write(KV_ENTRY)
+            f.write(named(KV_ENTRY, name))
     conformance = root / "tests" / "test_transport.py"
     text = conformance.read_text()
-    assert 'CONFORMANCE = ["gloo", "socket"]' in text
-    conformance.write_text(text.replace('CONFORMANCE = ["gloo", "socket"]',
-                                        'CONFORMANCE = ["gloo", "socket", "kv"]'))
+    listed = re.search(r"^CONFORMANCE = \[(.*)\]$", text, re.M)
+    assert listed, "tests/test_transport.py has no one-line CONFORMANCE list"
+    conformance.write_text(text[:listed.end(1)] + f', "{name}"' + text[listed.end(1):])
 
 # (b)'s part of the fast suite: the flag, the registry and the new transport's conformance,
 # the house (the other transports' conformance runs in the repository's own suite)
 TRANSPORT_TESTS = ("test_config.py", "test_transport.py", "test_structure.py")
-TRANSPORT_SELECT = ("transport and not conformance or conformance and kv or registered "
+TRANSPORT_SELECT = ("transport and not conformance or conformance and {name} or registered "
                     "or test_structure")
 
 
@@ -209,17 +229,18 @@ def test_a_new_transport_is_one_module_and_one_entry(tmp_path):
     it could break passes on the copy (``TRANSPORT_TESTS``: the conformance in three real
     processes with a dead peer, the flag, the structure checks: its layer is its folder's,
     the doc's ``mirror/*_transport`` row maps it). Without the entry it fails."""
+    name = example_name()
     root = copy_repo(tmp_path)
-    _add_kv_transport(root)
-    assert _changed(root) == ["megatron_deadpool/mirror/kv_transport.py",
+    _add_kv_transport(root, name)
+    assert _changed(root) == [f"megatron_deadpool/mirror/{name}_transport.py",
                               "megatron_deadpool/mirror/transport.py"]
-    ran = _run(root, ["-c", KV_RUN, str(root)])
+    ran = _run(root, ["-c", named(KV_RUN, name), str(root)])
     assert ran.returncode == 0 and "KV RAN" in ran.stdout, ran.stdout[-3000:] + ran.stderr[-5000:]
-    checked = run_tests(root, TRANSPORT_TESTS, TRANSPORT_SELECT)
+    checked = run_tests(root, TRANSPORT_TESTS, TRANSPORT_SELECT.format(name=name))
     assert checked.returncode == 0, checked.stdout[-5000:] + checked.stderr[-2000:]
-    assert "test_transport_conformance[kv] PASSED" in checked.stdout, checked.stdout[-3000:]
+    assert f"test_transport_conformance[{name}] PASSED" in checked.stdout, checked.stdout[-3000:]
 
     planted = copy_repo(tmp_path / "planted")
-    _add_kv_transport(planted, entry=False)  # the registry line forgotten
-    ran = _run(planted, ["-c", KV_RUN, str(planted)])
-    assert ran.returncode != 0 and "invalid choice: 'kv'" in ran.stderr, ran.stderr[-3000:]
+    _add_kv_transport(planted, name, entry=False)  # the registry line forgotten
+    ran = _run(planted, ["-c", named(KV_RUN, name), str(planted)])
+    assert ran.returncode != 0 and f"invalid choice: '{name}'" in ran.stderr, ran.stderr[-3000:]
