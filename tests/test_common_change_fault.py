@@ -16,15 +16,27 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, layout_flags
+from megatron_deadpool.base.faults import Kind
+from test_common_changes import first_free
 
 PKG = REPO / "megatron_deadpool"
-MEMBER = '    SIGSTOP_THEN_KILL = "sigstop_then_kill"\n'
-ENTRY = '''    FaultKind(Kind.SIGSTOP_THEN_KILL, "the process hangs, then dies",
+# the docs' example kind, under another name where this repository has it already (a
+# newcomer who made (c) from the docs): the change is then made again, beside theirs
+NAME = first_free("sigstop_then_kill", {k.value for k in Kind})
+
+
+def named(text: str) -> str:
+    """The docs' example under ``NAME``."""
+    return text.replace("sigstop_then_kill", NAME).replace("SIGSTOP_THEN_KILL", NAME.upper())
+
+
+MEMBER = named('    SIGSTOP_THEN_KILL = "sigstop_then_kill"\n')
+ENTRY = named('''    FaultKind(Kind.SIGSTOP_THEN_KILL, "the process hangs, then dies",
               ("SIGSTOP", Wait("after"), "SIGKILL"),
               params=(Param("after", "S", 0.0, default=1.0),), timed=True),
-'''
-HELP = ("sigstop_then_kill (SIGSTOP, wait after s, SIGKILL; after=S, S >= 0, default 1): "
-        "the process hangs, then dies.")
+''')
+HELP = named("sigstop_then_kill (SIGSTOP, wait after s, SIGKILL; after=S, S >= 0, default 1): "
+             "the process hangs, then dies.")
 
 
 def add_kind(dest: Path) -> Path:
@@ -61,7 +73,7 @@ def _env(root: Path) -> dict:
 # Run inside the copy: the parser, the validation, the worker's delivery (the victim waits
 # for its agent: a stopped process cannot go on) and the launcher's (SIGSTOP at once, SIGKILL
 # ``after`` seconds later, from ``poll``).
-CHECK = r'''
+CHECK = named(r'''
 import json, types
 from megatron_deadpool.base import faults as F
 from megatron_deadpool.launch.fault_driver import FaultDriver
@@ -96,7 +108,7 @@ driver.poll(102.0)
 out["sent"] = sent
 out["doc"] = F.kinds_doc()
 print(json.dumps(out))
-'''
+''')
 
 
 def test_a_new_fault_kind_is_one_entry(tmp_path):
@@ -107,16 +119,16 @@ def test_a_new_fault_kind_is_one_entry(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout)
-    assert out["parsed"] == ["sigstop_then_kill", 1, 3, 2.0,
-                             "sigstop_then_kill:rank=1@iter=3,after=2", True,
+    assert out["parsed"] == [NAME, 1, 3, 2.0, named("sigstop_then_kill:rank=1@iter=3,after=2"),
+                             True,
                              [[0.0, "SIGSTOP"], [2.0, "SIGKILL"]]]
-    assert out["timed"] == "sigstop_then_kill:node=0@t=4,after=1"  # the default
-    assert out["errors"] == [
+    assert out["timed"] == named("sigstop_then_kill:node=0@t=4,after=1")  # the default
+    assert out["errors"] == [named(e) for e in (
         "a 'sigstop_then_kill' fault needs after=S with S >= 0, got -1.0",
         "a 'sigstop_then_kill' fault takes no factor=",
         "a 'kill' fault takes no after=",
         "bad --inject spec 'sigstop_then_kill:rank=1@iter=3,after=x': after must be a number, "
-        "got 'x'"]
+        "got 'x'")]
     assert out["worker"] == [[signal.SIGSTOP], [3]]  # reported, waited, no agent: the first
     stop = {"op": "signal", "signal": "SIGSTOP", "lids": [1]}
     assert out["at_once"] == out["before_the_wait"] == [[1, stop]]
@@ -146,7 +158,7 @@ def test_the_change_passes_the_tests_it_could_break_once_the_list_is_pasted(tmp_
     text = usage.read_text()
     start = text.index("  The kinds:\n") + len("  The kinds:\n")
     usage.write_text(text[:start] + doc + text[text.index("\n\n", start):])
-    assert "`sigstop_then_kill`" in doc
+    assert f"`{NAME}`" in doc
     passed = run_tests(root, ["test_inject.py", "test_structure.py"])
     assert passed.returncode == 0, passed.stdout[-5000:] + passed.stderr[-2000:]
 
@@ -164,14 +176,14 @@ def test_a_new_fault_kind_runs_in_a_real_job(tmp_path):
     p = subprocess.run([sys.executable, "-m", "megatron_deadpool.apps.cli", "launch",
                         "--nodes", "2", "--procs-per-node", "1", "--spare-nodes", "1",
                         "--summary-json", str(summary), "--results-dir", str(tmp_path / "run"),
-                        "--inject", "sigstop_then_kill:rank=1@iter=4,after=1", "--", *flags],
+                        "--inject", named("sigstop_then_kill:rank=1@iter=4,after=1"), "--", *flags],
                        cwd=tmp_path, env=_env(root), capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
     s = json.loads(summary.read_text())
     assert s["ok"] and s["completed_iters"] == 8
     assert [(f["kind"], f["ranks"], f["at_iter"]) for f in s["faults"]] == [
-        ("sigstop_then_kill", [1], 4)]
+        (NAME, [1], 4)]
     (rec,) = s["recoveries"]
     assert rec["failed_ranks"] == [1]
     assert s["exit_codes"]["1"] == -9  # SIGKILL ended the stopped process

@@ -171,18 +171,24 @@ KV_RUN = textwrap.dedent(f'''
 ''')
 
 
+def first_free(name: str, taken) -> str:
+    """``name``, the docs' example, unless this repository holds it already (a newcomer who
+    made the change from the docs); then ``name2``, ``name3``... Each change's test then
+    makes the change again, beside theirs, so that it passes in their clone too."""
+    n = 1
+    while (name if n == 1 else f"{name}{n}") in taken:
+        n += 1
+    return name if n == 1 else f"{name}{n}"
+
+
 def example_name() -> str:
-    """The name (b)'s example transport takes here: ``kv``, the docs' name, unless this
-    repository already has a transport of that name or module (a newcomer who made (b) from
-    the docs), then ``kv2``, ``kv3``... The change is then made again, beside theirs."""
+    """The name (b)'s example transport takes here: ``kv`` unless a transport of that name,
+    or its module, is there already."""
     from megatron_deadpool.mirror.transport import transport_names
 
-    mirror, n = REPO / "megatron_deadpool" / "mirror", 1
-    while True:
-        name = "kv" if n == 1 else f"kv{n}"
-        if name not in transport_names() and not (mirror / f"{name}_transport.py").exists():
-            return name
-        n += 1
+    modules = {p.name[:-len("_transport.py")]
+               for p in (REPO / "megatron_deadpool" / "mirror").glob("*_transport.py")}
+    return first_free("kv", set(transport_names()) | modules)
 
 
 def named(text: str, name: str) -> str:
