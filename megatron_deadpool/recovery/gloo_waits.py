@@ -133,11 +133,7 @@ class AbortableWork:
                 waiter = _waiters.get(me)
                 if waiter is None:
                     waiter = _waiters[me] = _Waiter()
-                box = self._box = _Box(self._work, waiter, self._ops)
-                group_ops.waited(self._ops, self)
-                self._ops = None  # the waiter accounts for it
-                _pending.add(box)
-                waiter.q.put(box)
+                self._hand_to(waiter)
         box = self._box
         if not box.finished:
             box.done.acquire()
@@ -148,6 +144,15 @@ class AbortableWork:
         if box.error is not None:
             raise box.error
         return True
+
+    def _hand_to(self, waiter: "_Waiter") -> None:
+        """(under ``_lock``) queue this work on ``waiter``, which accounts for it from now
+        on: its box is pending until waited for, its tally closed when gloo ends it."""
+        box = self._box = _Box(self._work, waiter, self._ops)
+        group_ops.waited(self._ops, self)
+        self._ops = None
+        _pending.add(box)
+        waiter.q.put(box)
 
     def is_completed(self) -> bool:
         return self._box is not None and self._box.finished and not self._box.abandoned
@@ -166,11 +171,7 @@ class AbortableWork:
         if self._box is None:
             with _lock:
                 waiter = _Waiter()
-                box = self._box = _Box(self._work, waiter, self._ops)
-                group_ops.waited(self._ops, self)
-                self._ops = None  # the waiter accounts for it
-                _pending.add(box)
-                waiter.q.put(box)
+                self._hand_to(waiter)
                 waiter.q.put(None)  # one work: the waiter ends after it
         box = self._box
         if not box.finished and not box.done.acquire(timeout=max(timeout_s, 0.001)):
